@@ -1,0 +1,42 @@
+"""aiopar: TorchScript-style fork/wait parallelism for plain Python, asyncio-native.
+
+``fork(fn, *args)`` starts work and returns a :class:`Future` at once; the
+future can be waited on in a script (``wait``), awaited on asyncio, uvloop or
+trio, or chained with ``then``. Backends decide where the work runs.
+"""
+
+from ._api import TaskGroup, as_completed, collect_all, fork, task_group, wait, wait_all, wrap
+from ._config import (
+    get_backend,
+    get_num_interop_threads,
+    set_backend,
+    set_num_interop_threads,
+    use_backend,
+)
+from ._errors import BrokenWorkerError, CancelledError, InvalidStateError
+from ._future import Future
+from .backends import Backend, available_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BrokenWorkerError",
+    "CancelledError",
+    "Future",
+    "InvalidStateError",
+    "TaskGroup",
+    "as_completed",
+    "available_backends",
+    "collect_all",
+    "fork",
+    "get_backend",
+    "get_num_interop_threads",
+    "set_backend",
+    "set_num_interop_threads",
+    "task_group",
+    "use_backend",
+    "wait",
+    "wait_all",
+    "wrap",
+]

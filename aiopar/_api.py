@@ -1,0 +1,349 @@
+"""fork/wait and the functions that combine futures."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+
+from . import _loop
+from ._config import current_backend
+from ._errors import CancelledError
+from ._future import Future
+
+__all__ = [
+    "TaskGroup",
+    "as_completed",
+    "collect_all",
+    "fork",
+    "task_group",
+    "wait",
+    "wait_all",
+    "wrap",
+]
+
+T = TypeVar("T")
+
+
+def fork(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+    """Start ``fn(*args, **kwargs)`` on the current backend and return its future at once.
+
+    ``fn`` may be a function, a bound method or any callable object. A
+    coroutine function runs on an event loop: the caller's running loop if
+    there is one, else a loop thread owned by aiopar. Every keyword argument
+    goes to ``fn``.
+    """
+    return current_backend().fork(fn, *args, **kwargs)
+
+
+def wait(fut: Future[T], timeout: float | None = None) -> T:
+    """``fut.wait(timeout)``: block until done, then return the value or raise."""
+    return _check_future(fut, "wait()").wait(timeout)
+
+
+def _check_future(fut: object, where: str) -> Future[Any]:
+    if not isinstance(fut, Future):
+        raise TypeError(
+            f"{where} takes an aiopar Future, got {type(fut).__name__}; "
+            f"adopt other futures and awaitables with aiopar.wrap()"
+        )
+    return fut
+
+
+def _future_list(futs: Iterable[Future[Any]], where: str) -> list[Future[Any]]:
+    if isinstance(futs, Future):
+        raise TypeError(f"{where} takes an iterable of futures, got a single Future")
+    return [_check_future(f, where) for f in futs]
+
+
+def collect_all(futs: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
+    """A future that is done once every future in ``futs`` is done.
+
+    Its value is the list of the futures themselves, in order; it never
+    fails, whatever they did (``torch.futures.collect_all``).
+    """
+    futures = _future_list(futs, "collect_all()")
+    collected: Future[list[Future[Any]]] = Future()
+    remaining = len(futures)
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        nonlocal remaining
+        with lock:
+            remaining -= 1
+            last = remaining == 0
+        if last:
+            collected._settle(futures, None)
+
+    if not futures:
+        collected._settle([], None)
+    for fut in futures:
+        fut.add_done_callback(one_done)
+    return collected
+
+
+def wait_all(futs: Iterable[Future[T]]) -> list[T]:
+    """Wait for every future and return their values in order.
+
+    Raises as soon as one fails: the exception of the first failed future
+    in list order among those done by then (``torch.futures.wait_all``).
+    Tasks that have not started run in the calling thread.
+    """
+    futures = _future_list(futs, "wait_all()")
+    for fut in futures:
+        if not fut.done():
+            task = fut._task
+            if task is not None and task.stealable:
+                task.run()
+        if fut.done() and not fut.cancelled() and fut._exception is not None:
+            raise fut._exception
+    pending = [fut for fut in futures if not fut.done()]
+    if pending:
+        _all_or_first_failure(pending).wait()
+    return [fut.value() for fut in futures]
+
+
+def _all_or_first_failure(futures: list[Future[Any]]) -> Future[None]:
+    """Done when all of ``futures`` are, or failed as soon as one fails."""
+    outcome: Future[None] = Future()
+    remaining = len(futures)
+    lock = threading.Lock()
+
+    def one_done(fut: Future[Any]) -> None:
+        nonlocal remaining
+        if fut.cancelled():
+            outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
+        elif fut._exception is not None:
+            outcome._settle(None, fut._exception)
+        with lock:
+            remaining -= 1
+            last = remaining == 0
+        if last:
+            outcome._settle(None, None)
+
+    for fut in futures:
+        fut.add_done_callback(one_done)
+    return outcome
+
+
+class _AsCompleted(Iterator[Future[T]], AsyncIterator[Future[T]]):
+    """Yields futures as they finish, with ``for`` and with ``async for``."""
+
+    def __init__(self, futs: Iterable[Future[T]], timeout: float | None) -> None:
+        futures = list(dict.fromkeys(_future_list(futs, "as_completed()")))
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        self._total = self._remaining = len(futures)
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._lock = threading.Lock()
+        self._finished: deque[Future[T]] = deque()
+        self._signal: Future[None] | None = None
+        for fut in futures:
+            fut.add_done_callback(self._on_done)
+
+    def _on_done(self, fut: Future[T]) -> None:
+        with self._lock:
+            self._finished.append(fut)
+            signal, self._signal = self._signal, None
+        if signal is not None:
+            signal._settle(None, None)
+
+    def _next_or_signal(self) -> tuple[Future[T] | None, Future[None]]:
+        if self._remaining == 0:
+            raise StopIteration
+        with self._lock:
+            if self._finished:
+                self._remaining -= 1
+                return self._finished.popleft(), None  # type: ignore[return-value]
+            self._signal = Future()
+            return None, self._signal
+
+    def _time_left(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(
+            f"{self._remaining} of {self._total} futures are still not done after {self._timeout} s"
+        )
+
+    def __iter__(self) -> _AsCompleted[T]:
+        return self
+
+    def __next__(self) -> Future[T]:
+        while True:
+            fut, signal = self._next_or_signal()
+            if fut is not None:
+                return fut
+            if not signal._block(self._time_left()):
+                raise self._timed_out()
+
+    def __aiter__(self) -> _AsCompleted[T]:
+        return self
+
+    async def __anext__(self) -> Future[T]:
+        while True:
+            try:
+                fut, signal = self._next_or_signal()
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if fut is not None:
+                return fut
+            with anyio.move_on_after(self._time_left()):
+                await signal._until_done()
+            if not signal.done():
+                raise self._timed_out()
+
+
+def as_completed(futs: Iterable[Future[T]], timeout: float | None = None) -> _AsCompleted[T]:
+    """Yield each future once it is done, in the order they finish.
+
+    Works with ``for`` and ``async for``. Duplicates are yielded once. If
+    ``timeout`` seconds pass (counted from this call) before all are done,
+    the iteration raises TimeoutError.
+    """
+    return _AsCompleted(futs, timeout)
+
+
+def wrap(obj: Any) -> Future[Any]:
+    """Adopt a ``concurrent.futures.Future``, an asyncio future or any awaitable.
+
+    The returned future settles when the original does. Cancelling it
+    cancels the original. An awaitable that is not a future runs on the
+    caller's event loop if one is running, else on aiopar's loop thread.
+    """
+    if isinstance(obj, Future):
+        return obj
+    adopted: Future[Any] = Future()
+    if isinstance(obj, concurrent.futures.Future):
+        obj.add_done_callback(lambda src: _copy_outcome(src, adopted))
+        adopted.add_done_callback(lambda fut: fut.cancelled() and obj.cancel())
+    elif asyncio.isfuture(obj):
+        obj.add_done_callback(lambda src: _copy_outcome(src, adopted))
+        loop = obj.get_loop()
+        adopted.add_done_callback(
+            lambda fut: fut.cancelled() and loop.call_soon_threadsafe(obj.cancel)
+        )
+    elif inspect.isawaitable(obj):
+
+        async def await_it() -> Any:
+            return await obj
+
+        _loop.start_coroutine(adopted, await_it, (), {}, contextvars.copy_context())
+    else:
+        raise TypeError(
+            "wrap() takes a concurrent.futures.Future, an asyncio future or an awaitable, "
+            f"got {type(obj).__name__}"
+        )
+    return adopted
+
+
+def _copy_outcome(source: Any, target: Future[Any]) -> None:
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target._settle(None, exc)
+    else:
+        target._settle(source.result(), None)
+
+
+class TaskGroup:
+    """Structured fork-join: every task forked through the group is waited for
+    when the ``with`` or ``async with`` block ends.
+
+    The first task to fail cancels the group's tasks that have not started;
+    on exit the failure is raised, or an ExceptionGroup when several tasks
+    (or the block and a task) failed. If the block itself raises, tasks not
+    yet started are cancelled and the running ones are waited for.
+    """
+
+    def __init__(self) -> None:
+        self._futures: list[Future[Any]] = []
+        self._lock = threading.Lock()
+        self._exited = False
+
+    def fork(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Like :func:`aiopar.fork`, for a task the group waits for."""
+        if self._exited:
+            raise RuntimeError("this task group has exited; fork inside its 'with' block")
+        fut = fork(fn, *args, **kwargs)
+        with self._lock:
+            self._futures.append(fut)
+        fut.add_done_callback(self._on_done)
+        return fut
+
+    def _on_done(self, fut: Future[Any]) -> None:
+        if not fut.cancelled() and fut._exception is not None:
+            self._cancel_pending()
+
+    def _cancel_pending(self) -> None:
+        with self._lock:
+            futures = list(self._futures)
+        for fut in futures:
+            fut.cancel()
+
+    def __enter__(self) -> TaskGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is not None:
+            self._cancel_pending()
+        for fut in self._futures:
+            fut._block(None)
+        return self._finish(exc)
+
+    async def __aenter__(self) -> TaskGroup:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is not None:
+            self._cancel_pending()
+        try:
+            for fut in self._futures:
+                await fut._until_done()
+        except BaseException:
+            self._cancel_pending()
+            raise
+        return self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> bool:
+        self._exited = True
+        failures = [
+            fut._exception
+            for fut in self._futures
+            if not fut.cancelled() and fut._exception is not None
+        ]
+        if not failures:
+            return False  # the block's own exception, if any, propagates
+        if exc is not None and not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, cancellation and the like win
+        errors = [exc, *failures] if exc is not None else failures
+        if len(errors) == 1:
+            raise errors[0]
+        raise ExceptionGroup(f"{len(errors)} errors in a task group", errors)
+
+
+def task_group() -> TaskGroup:
+    """A :class:`TaskGroup` for ``with`` or ``async with``."""
+    return TaskGroup()

@@ -1,0 +1,364 @@
+"""The one Future type: block on it, await it, or chain callbacks on it.
+
+A future moves PENDING -> RUNNING -> FINISHED, or PENDING -> CANCELLED; a
+future a user creates with ``Future()`` stays PENDING until it is settled.
+Done means FINISHED or CANCELLED, and a done future never changes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from . import _loop, _trace
+from ._errors import CancelledError, InvalidStateError
+
+__all__ = ["Future"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+PENDING, RUNNING, CANCELLED, FINISHED = 0, 1, 2, 3
+_STATE_NAMES = ("pending", "running", "cancelled", "finished")
+
+_logger = logging.getLogger("aiopar")
+
+# Per-thread state: `deferred` holds the callbacks of futures settled while
+# this thread was already running callbacks (so long then() chains run in a
+# loop, not in nested calls); `worker` is the pool whose worker this thread is
+# (told when the thread blocks, so the pool can keep its other work moving).
+_local = threading.local()
+
+_warned_blocking_loop = False
+
+
+class Future(Generic[T]):
+    """The result of a forked task, or a value a user settles by hand.
+
+    Thread-safe: any thread may wait on, settle, cancel or add callbacks to
+    it. ``await fut`` works on asyncio, uvloop and trio; ``wait()`` blocks the
+    calling thread; ``then()`` chains work the way ``torch.futures.Future``
+    does.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_exception",
+        "_lock",
+        "_result",
+        "_state",
+        "_task",
+        "_waiters",
+    )
+
+    def __init__(self) -> None:
+        self._state = PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], object]] | None = None
+        self._waiters: list[Any] | None = None
+        self._lock = threading.Lock()
+        self._task: Any = None  # the forked task behind this future, if any
+
+    def __repr__(self) -> str:
+        state = self._state
+        if state == FINISHED:
+            if self._exception is not None:
+                detail = f" raised {type(self._exception).__name__}"
+            else:
+                detail = f" returned {type(self._result).__name__}"
+        else:
+            detail = ""
+        return f"<{type(self).__name__} at {id(self):#x} {_STATE_NAMES[state]}{detail}>"
+
+    # -- state -------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once the future has a value, an exception, or was cancelled."""
+        return self._state >= CANCELLED
+
+    def cancelled(self) -> bool:
+        """True if the future was cancelled."""
+        return self._state == CANCELLED
+
+    def running(self) -> bool:
+        """True while its task runs (a future's task runs at most once)."""
+        return self._state == RUNNING
+
+    def cancel(self) -> bool:
+        """Cancel the future unless its task has started.
+
+        Returns True if the future is now cancelled (its task will never
+        run), False if the task is running or the future is already settled.
+        A running task is never interrupted.
+        """
+        with self._lock:
+            if self._state != PENDING:
+                return self._state == CANCELLED
+            self._state = CANCELLED
+            waiters = self._waiters
+            callbacks = self._callbacks
+            self._waiters = self._callbacks = None
+        if waiters:
+            for waiter in waiters:
+                waiter.release()
+        if callbacks:
+            _run_callbacks(self, callbacks)
+        return True
+
+    # -- settling ----------------------------------------------------------
+
+    def set_result(self, result: T) -> None:
+        """Settle the future with a value; a second settle raises InvalidStateError."""
+        if not self._settle(result, None):
+            raise InvalidStateError(f"{self!r} is already done; a future is settled only once")
+
+    def set_exception(self, exception: BaseException) -> None:
+        """Settle the future with an exception; a second settle raises InvalidStateError."""
+        if isinstance(exception, type) and issubclass(exception, BaseException):
+            exception = exception()
+        if not isinstance(exception, BaseException):
+            raise TypeError(
+                f"set_exception() takes an exception instance, got {type(exception).__name__}"
+            )
+        if not self._settle(None, exception):
+            raise InvalidStateError(f"{self!r} is already done; a future is settled only once")
+
+    def _claim(self) -> bool:
+        """PENDING -> RUNNING; False if the task was cancelled or claimed already."""
+        with self._lock:
+            if self._state != PENDING:
+                return False
+            self._state = RUNNING
+            return True
+
+    def _settle_result(self, result: Any) -> bool:
+        return self._settle(result, None)
+
+    def _settle_exception(self, exception: BaseException) -> bool:
+        return self._settle(None, exception)
+
+    def _settle(self, result: Any, exception: BaseException | None) -> bool:
+        with self._lock:
+            if self._state >= CANCELLED:
+                return False
+            self._result = result
+            self._exception = exception
+            self._state = FINISHED
+            waiters = self._waiters
+            callbacks = self._callbacks
+            self._waiters = self._callbacks = None
+        if waiters:
+            for waiter in waiters:
+                waiter.release()
+        if callbacks:
+            _run_callbacks(self, callbacks)
+        return True
+
+    # -- reading -----------------------------------------------------------
+
+    def value(self) -> T:
+        """The value, without waiting.
+
+        Raises the task's exception if it failed, CancelledError if it was
+        cancelled, and InvalidStateError (a RuntimeError) if it is not done.
+        """
+        state = self._state
+        if state == FINISHED:
+            if self._exception is not None:
+                raise self._exception
+            return self._result
+        if state == CANCELLED:
+            raise CancelledError(f"{self!r} was cancelled before its task started")
+        raise InvalidStateError(f"{self!r} is not done; call wait() or await it to get its value")
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the future is done and return its value or raise its exception.
+
+        If the future's task has not started and no timeout is given, the
+        calling thread runs the task itself, so waiting never starves a pool
+        of workers. Raises TimeoutError if ``timeout`` seconds pass first.
+        """
+        if timeout is not None:
+            _check_timeout(timeout)
+        if self._state < CANCELLED and not self._block(timeout):
+            raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
+        return self.value()
+
+    def result(self, timeout: float | None = None) -> T:
+        """The :mod:`concurrent.futures` spelling of :meth:`wait`."""
+        return self.wait(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until done; return the task's exception, or None if it succeeded.
+
+        Raises CancelledError if the future was cancelled, TimeoutError if
+        ``timeout`` seconds pass first.
+        """
+        if not self._block(_check_timeout(timeout)):
+            raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
+        if self._state == CANCELLED:
+            raise CancelledError(f"{self!r} was cancelled before its task started")
+        return self._exception
+
+    def _block(self, timeout: float | None) -> bool:
+        """Wait until done or ``timeout`` passes; True if done."""
+        if self._state >= CANCELLED:
+            return True
+        task = self._task
+        if timeout is None and task is not None and task.stealable and self._state == PENDING:
+            task.run()  # does nothing unless it wins the claim
+            if self._state >= CANCELLED:
+                return True
+        _drain_deferred_callbacks()  # they may be what settles this future
+        if self._state >= CANCELLED:
+            return True
+        _warn_if_blocking_loop()
+        waiter = threading.Lock()
+        waiter.acquire()
+        with self._lock:
+            if self._state >= CANCELLED:
+                return True
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+        worker = getattr(_local, "worker", None)
+        if worker is not None:
+            worker.worker_blocked()
+        profiler = _trace.active
+        started = time.perf_counter() if profiler is not None else 0.0
+        try:
+            done = waiter.acquire(True, -1 if timeout is None else timeout)
+        finally:
+            if worker is not None:
+                worker.worker_resumed()
+            if profiler is not None:
+                profiler.on_blocked(time.perf_counter() - started)
+        if not done:
+            with self._lock:
+                if self._waiters is not None and waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        return self._state >= CANCELLED
+
+    # -- callbacks ---------------------------------------------------------
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """Call ``fn(self)`` once the future is done.
+
+        It runs in the thread that settles the future, or at once in this
+        thread if the future is done already. An exception it raises is
+        logged on the ``aiopar`` logger and otherwise ignored.
+        """
+        if not callable(fn):
+            raise TypeError(f"add_done_callback() takes a callable, got {type(fn).__name__}")
+        with self._lock:
+            if self._state < CANCELLED:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        _call_each(self, (fn,))
+
+    def then(self, callback: Callable[[Future[T]], U]) -> Future[U]:
+        """Return a future settled by ``callback(self)`` once this one is done.
+
+        The callback's return value becomes the new future's value; an
+        exception it raises becomes the new future's exception and goes
+        nowhere else. Chains of any length settle without recursion.
+        """
+        if not callable(callback):
+            raise TypeError(f"then() takes a callable, got {type(callback).__name__}")
+        chained: Future[U] = Future()
+
+        def run_callback(fut: Future[T]) -> None:
+            try:
+                value = callback(fut)
+            except BaseException as exc:
+                chained._settle(None, exc)
+            else:
+                chained._settle(value, None)
+
+        self.add_done_callback(run_callback)
+        return chained
+
+    # -- await -------------------------------------------------------------
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._state < CANCELLED:
+            yield from _loop.wait_on_loop(self)
+        return self.value()
+
+    def _until_done(self) -> _UntilDone:
+        """An awaitable that waits for this future without raising its outcome."""
+        return _UntilDone(self)
+
+
+class _UntilDone:
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: Future[Any]) -> None:
+        self._fut = fut
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self._fut.done():
+            yield from _loop.wait_on_loop(self._fut, cancel=False)
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(
+            f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}"
+        )
+    return timeout
+
+
+def _call_each(fut: Future[Any], callbacks: Any) -> None:
+    for fn in callbacks:
+        try:
+            fn(fut)
+        except Exception:
+            _logger.exception("exception in a done-callback of %r", fut)
+
+
+def _run_callbacks(fut: Future[Any], callbacks: list[Any]) -> None:
+    deferred = _local.__dict__.get("deferred")
+    if deferred is not None:
+        # Already running callbacks further up this thread's stack: queue
+        # these for that loop instead of nesting another call.
+        deferred.append((fut, callbacks))
+        return
+    _local.deferred = deferred = deque()
+    try:
+        _call_each(fut, callbacks)
+        while deferred:
+            _call_each(*deferred.popleft())
+    finally:
+        _local.deferred = None
+
+
+def _drain_deferred_callbacks() -> None:
+    deferred = _local.__dict__.get("deferred")
+    while deferred:
+        _call_each(*deferred.popleft())
+
+
+def _warn_if_blocking_loop() -> None:
+    global _warned_blocking_loop
+    if _warned_blocking_loop or _loop.running_async_library() is None:
+        return
+    _warned_blocking_loop = True
+    warnings.warn(
+        "Future.wait() is blocking the thread of a running event loop, so nothing else on "
+        "that loop runs until the future is done; use 'await fut' instead "
+        "(this warning is shown once)",
+        RuntimeWarning,
+        stacklevel=4,
+    )

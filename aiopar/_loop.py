@@ -1,0 +1,220 @@
+"""The bridge from worker threads to event loops.
+
+Completions reach a loop in batches: the first completion posted to an idle
+bridge schedules one thread-safe wake-up, and every completion that arrives
+before the loop runs it rides along. Coroutines forked outside any running
+loop run on a loop thread owned by aiopar (uvloop when it is installed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import sys
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+import sniffio
+
+from ._errors import CancelledError
+
+__all__ = ["owned_loop", "running_async_library", "start_coroutine", "wait_on_loop"]
+
+_local = threading.local()
+
+
+class _Bridge:
+    """Runs callables on one event loop, one thread-safe wake-up per batch."""
+
+    __slots__ = ("_batch", "_call_soon_threadsafe", "_lock", "key")
+
+    def __init__(self, key: object, call_soon_threadsafe: Callable[[Callable[[], None]], Any]):
+        self.key = key
+        self._call_soon_threadsafe = call_soon_threadsafe
+        self._lock = threading.Lock()
+        self._batch: list[Callable[[], None]] = []
+
+    def post(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._batch.append(fn)
+            if len(self._batch) > 1:
+                return  # a wake-up is already on its way and will run fn too
+        try:
+            self._call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is left to wake
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+        for fn in batch:
+            fn()
+
+
+def _bridge(key: object, call_soon_threadsafe: Callable[[Callable[[], None]], Any]) -> _Bridge:
+    # One loop runs in a thread at a time, so the thread's last bridge is
+    # almost always the right one.
+    bridge = getattr(_local, "bridge", None)
+    if bridge is None or bridge.key is not key:
+        bridge = _local.bridge = _Bridge(key, call_soon_threadsafe)
+    return bridge
+
+
+def running_async_library() -> str | None:
+    """Name of the async library running in this thread, or ``None``."""
+    if asyncio._get_running_loop() is not None:
+        return "asyncio"
+    try:
+        return sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None
+
+
+def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]:
+    """Suspend the running coroutine until ``fut`` is done.
+
+    If the coroutine is cancelled meanwhile and ``cancel`` is true, ``fut`` is
+    cancelled too, which succeeds only if its task has not started.
+    """
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        waiter = loop.create_future()
+
+        def wake() -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        bridge = _bridge(loop, loop.call_soon_threadsafe)
+        fut.add_done_callback(lambda _: bridge.post(wake))
+        try:
+            yield from waiter
+        except asyncio.CancelledError:
+            if cancel:
+                fut.cancel()
+            raise
+        return
+    if running_async_library() == "trio":
+        yield from _wait_on_trio(fut, cancel).__await__()
+        return
+    raise RuntimeError(
+        "awaiting an aiopar Future needs a running asyncio, uvloop or trio event loop; "
+        "outside one, call fut.wait() instead"
+    )
+
+
+async def _wait_on_trio(fut: Any, cancel: bool) -> None:
+    import trio
+
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+    aborted = False
+
+    def wake() -> None:
+        if not aborted:
+            trio.lowlevel.reschedule(task)
+
+    def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+        nonlocal aborted
+        aborted = True
+        if cancel:
+            fut.cancel()
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    bridge = _bridge(token, token.run_sync_soon)
+    fut.add_done_callback(lambda _: bridge.post(wake))
+    await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class _OwnedLoop:
+    """An event loop on a daemon thread, for coroutines forked outside any loop."""
+
+    def __init__(self) -> None:
+        try:
+            import uvloop
+
+            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="aiopar-loop", daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+_owned: _OwnedLoop | None = None
+_owned_lock = threading.Lock()
+
+
+def owned_loop() -> asyncio.AbstractEventLoop:
+    """The event loop aiopar runs on its own thread, started on first use."""
+    global _owned
+    with _owned_lock:
+        if _owned is None:
+            _owned = _OwnedLoop()
+            atexit.register(_owned.close)
+        return _owned.loop
+
+
+# Event loops keep only weak references to tasks; these keep forked
+# coroutines alive until they finish.
+_running_tasks: set[Any] = set()
+
+
+def _keep_until_done(task: asyncio.Task[Any]) -> None:
+    _running_tasks.add(task)
+    task.add_done_callback(_running_tasks.discard)
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and isinstance(exc, trio.Cancelled)
+
+
+def start_coroutine(
+    fut: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: Any,
+) -> None:
+    """Run ``await fn(*args, **kwargs)`` on an event loop and settle ``fut``.
+
+    The caller's running loop (asyncio, uvloop or trio) is used when there is
+    one, else the owned loop. ``fut`` is claimed when the coroutine starts, so
+    cancelling it before then means the coroutine never runs.
+    """
+
+    async def run() -> None:
+        if not fut._claim():
+            return
+        try:
+            result = await fn(*args, **kwargs)
+        except BaseException as exc:
+            if not _is_cancellation(exc):
+                fut._settle_exception(exc)
+                return
+            error = CancelledError("the event loop running this coroutine cancelled it")
+            error.__cause__ = exc
+            fut._settle_exception(error)
+            raise  # a task must not swallow its own cancellation
+        fut._settle_result(result)
+
+    library = running_async_library()
+    if library == "asyncio":
+        _keep_until_done(asyncio.get_running_loop().create_task(run(), context=context))
+    elif library == "trio":
+        import trio
+
+        trio.lowlevel.spawn_system_task(run, context=context)
+    else:
+        loop = owned_loop()
+        loop.call_soon_threadsafe(
+            lambda: _keep_until_done(loop.create_task(run(), context=context))
+        )

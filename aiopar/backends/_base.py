@@ -1,0 +1,187 @@
+"""The Backend ABC: the one contract every backend, built-in or plugin, implements.
+
+A backend decides where forked work runs. :meth:`Backend.fork` wraps the call
+in a :class:`Task` whose future it returns at once and hands the task to
+:meth:`Backend.submit`; the backend arranges for :meth:`Task.run` to be called
+exactly once (in a worker thread, a worker process, or right away). Because
+``Task.run`` claims the future first, a task cancelled or already run by a
+waiter is skipped, so a backend needs no bookkeeping for either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import inspect
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from types import FunctionType
+from typing import Any, ClassVar, TypeVar
+
+from .. import _loop, _trace
+from .._future import Future
+
+__all__ = ["Backend", "Task"]
+
+T = TypeVar("T")
+
+_CO_COROUTINE = inspect.CO_COROUTINE
+
+
+class Task:
+    """One forked call: what to run, on which backend, and its profiler record."""
+
+    __slots__ = ("args", "backend", "context", "fn", "future", "kwargs", "record")
+
+    def __init__(
+        self,
+        future: Future[Any],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: contextvars.Context,
+        backend: Backend,
+    ) -> None:
+        self.future = future
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.context = context
+        self.backend = backend
+        self.record: Any = None
+
+    @property
+    def name(self) -> str:
+        fn = self.fn
+        return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+    @property
+    def stealable(self) -> bool:
+        """Whether a thread waiting on the future may run the task itself."""
+        return self.backend.stealable
+
+    def run(self) -> None:
+        """Run the call in this thread and settle the future, unless the task
+        was cancelled or another thread claimed it first."""
+        future = self.future
+        if not future._claim():
+            return
+        record = self.record
+        if record is not None:
+            record.on_start()
+        try:
+            result = self.context.run(self.fn, *self.args, **self.kwargs)
+        except BaseException as exc:
+            outcome: tuple[Any, BaseException | None] = (None, exc)
+        else:
+            outcome = (result, None)
+        # Drop the call before settling: callbacks may run for a long time.
+        self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        if record is not None:
+            record.on_end()
+        future._settle(*outcome)
+
+
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` gives a coroutine to await, not a value."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    )
+
+
+def raise_not_callable(fn: object, where: str) -> None:
+    raise TypeError(
+        f"{where} needs a callable as its first argument, got {type(fn).__name__} {fn!r:.60}; "
+        f"pass the function and its arguments separately: fork(f, x), not fork(f(x))"
+    )
+
+
+class Backend(ABC):
+    """Where forked tasks run.
+
+    Subclasses set :attr:`name` and implement :meth:`submit`,
+    :meth:`shutdown` and :attr:`max_workers`, and call ``super().__init__()``
+    so the backend is shut down (running what was queued) at interpreter
+    exit. A backend is also a context manager that shuts it down on exit.
+    """
+
+    #: the name it is registered under (``get_backend(name)``)
+    name: ClassVar[str] = "?"
+    #: whether a thread that waits on a not-yet-started task may run it
+    #: itself; true for in-process backends, false where work must leave the
+    #: process
+    stealable: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._closed = False
+        _live_backends.add(self)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` has been called."""
+        return self._closed
+
+    def fork(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Start ``fn(*args, **kwargs)`` on this backend and return its future at once.
+
+        A coroutine function runs on an event loop instead: the caller's
+        running loop if there is one, else aiopar's own loop thread.
+        """
+        if not callable(fn):
+            raise_not_callable(fn, f"{type(self).__name__}.fork()")
+        future: Future[T] = Future()
+        context = contextvars.copy_context()
+        if (
+            fn.__code__.co_flags & _CO_COROUTINE  # type: ignore[attr-defined]
+            if type(fn) is FunctionType  # the common case, checked cheaply
+            else is_async_callable(fn)
+        ):
+            _loop.start_coroutine(future, fn, args, kwargs, context)
+            return future
+        task = Task(future, fn, args, kwargs, context, self)
+        profiler = _trace.active
+        if profiler is not None:
+            task.record = profiler.on_fork(task)
+        future._task = task
+        self.submit(task)
+        return future
+
+    @abstractmethod
+    def submit(self, task: Task) -> None:
+        """Arrange for ``task.run()`` to be called once; never block on the task.
+
+        Raises RuntimeError if the backend has been shut down.
+        """
+
+    @abstractmethod
+    def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        """Stop accepting work and release the workers.
+
+        Queued tasks still run unless ``cancel_pending`` is true, in which
+        case their futures are cancelled. With ``wait`` the call returns once
+        every worker has stopped. Calling it again does nothing.
+        """
+
+    @property
+    @abstractmethod
+    def max_workers(self) -> int:
+        """How many tasks may run at once."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} max_workers={self.max_workers}>"
+
+
+_live_backends: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for backend in list(_live_backends):
+        backend.shutdown(wait=True)

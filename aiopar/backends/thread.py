@@ -1,0 +1,131 @@
+"""The "thread" backend (the default): a pool of interop worker threads.
+
+Workers start lazily, up to ``max_workers``. A worker that blocks in
+``wait`` on a task another thread is running is counted out of the pool
+while it waits, and a compensating worker starts if work is queued, so
+nested fork/wait never starves the pool; surplus workers retire once the
+blocked ones come back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+from .. import _config
+from .._future import _local as _future_thread_state
+from ._base import Backend, Task
+
+__all__ = ["ThreadBackend"]
+
+_backend_ids = itertools.count(1)
+
+
+class ThreadBackend(Backend):
+    """Runs forked tasks on a pool of worker threads.
+
+    ``max_workers`` defaults to :func:`aiopar.get_num_interop_threads` and
+    follows it when it changes; a number given here is kept for this pool.
+    """
+
+    name = "thread"
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        if max_workers is not None and (
+            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1
+        ):
+            raise ValueError(
+                f"max_workers must be a whole number >= 1 or None, got {max_workers!r}"
+            )
+        super().__init__()
+        self._max_workers = max_workers
+        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._blocked = 0  # workers waiting in Future.wait
+        self._closed = False
+        self._thread_names = f"aiopar-thread-{next(_backend_ids)}"
+
+    @property
+    def max_workers(self) -> int:
+        return self._max_workers or _config.interop_threads
+
+    def submit(self, task: Task) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+            self._queue.put(task)
+            if len(self._threads) - self._blocked < (self._max_workers or _config.interop_threads):
+                self._start_worker()
+
+    def _start_worker(self) -> None:
+        # Called with self._lock held.
+        thread = threading.Thread(
+            target=self._work, name=f"{self._thread_names}-{len(self._threads)}", daemon=True
+        )
+        self._threads.add(thread)
+        thread.start()
+        if self._closed:
+            self._queue.put(None)  # its own stop sentinel
+
+    def _work(self) -> None:
+        _future_thread_state.worker = self
+        tasks = self._queue
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            task.run()
+            del task
+            if len(self._threads) - self._blocked > self.max_workers and self._retire():
+                return
+        with self._lock:
+            self._threads.discard(threading.current_thread())
+
+    def _retire(self) -> bool:
+        with self._lock:
+            if len(self._threads) - self._blocked <= self.max_workers:
+                return False
+            self._threads.discard(threading.current_thread())
+            return True
+
+    # Called by Future.wait in a worker thread of this pool.
+    def worker_blocked(self) -> None:
+        with self._lock:
+            self._blocked += 1
+            if not self._queue.empty() and len(self._threads) - self._blocked < self.max_workers:
+                self._start_worker()
+
+    def worker_resumed(self) -> None:
+        with self._lock:
+            self._blocked -= 1
+
+    def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        with self._lock:
+            if cancel_pending:
+                self._cancel_queued()
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    self._queue.put(None)
+            threads = list(self._threads)
+        if wait:
+            me = threading.current_thread()
+            for thread in threads:
+                if thread is not me:
+                    thread.join()
+
+    def _cancel_queued(self) -> None:
+        stop_sentinels = 0
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if task is None:
+                stop_sentinels += 1
+            else:
+                task.future.cancel()
+        for _ in range(stop_sentinels):
+            self._queue.put(None)
