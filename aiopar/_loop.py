@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import sys
 import threading
 from collections.abc import Callable, Generator
@@ -40,10 +41,8 @@ class _Bridge:
             self._batch.append(fn)
             if len(self._batch) > 1:
                 return  # a wake-up is already on its way and will run fn too
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to wake
             self._call_soon_threadsafe(self._drain)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is left to wake
 
     def _drain(self) -> None:
         with self._lock:
