@@ -240,7 +240,7 @@ class Future(Generic[T]):
             if worker is not None:
                 worker.worker_resumed()
             if profiler is not None:
-                profiler.on_blocked(time.perf_counter() - started)
+                profiler.on_blocked(time.perf_counter() - started, self)
         if not done:
             with self._lock:
                 if self._waiters is not None and waiter in self._waiters:

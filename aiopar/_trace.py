@@ -7,13 +7,28 @@ costs one check per task. A recorder implements:
 ``on_fork(task) -> record | None``
     called in the forking thread; the returned record is stored on the task.
 ``record.on_start()`` / ``record.on_end()``
-    called by the thread or process that runs the task, around the call.
-``on_blocked(seconds)``
-    called by a thread after it was blocked in ``wait`` for that long.
+    called by the thread that runs the task, around the call.
+``record.on_remote_run(start_ns, end_ns, pid, tid=None, thread_name=None)``
+    called instead of ``on_start``/``on_end`` (in any thread of the forking
+    process) by a backend whose task ran in another process, once that
+    worker reported when it ran the task; the times are read with
+    :func:`clock` in the worker.
+``on_blocked(seconds, future)``
+    called by a thread after it was blocked for that long in ``wait`` on
+    ``future``.
+
+Every timestamp is :func:`clock`: ``time.perf_counter_ns``, which is
+system-wide (CLOCK_MONOTONIC on Linux, QueryPerformanceCounter on Windows,
+mach_absolute_time on macOS), so times read in worker processes on the same
+machine line up with the parent's.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 active: Any = None
+
+#: nanoseconds on the clock every trace timestamp uses, in every process
+clock = time.perf_counter_ns

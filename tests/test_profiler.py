@@ -1,0 +1,284 @@
+"""aiopar.profiler: records, parent links, blocked time, Chrome trace, table."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+import aiopar
+from aiopar import _trace
+from aiopar.profiler import Profile, profile
+
+
+def leaf(x: int = 0) -> int:
+    time.sleep(0.002)
+    return x
+
+
+def node(n: int) -> int:
+    futures = [aiopar.fork(leaf, i) for i in range(n)]
+    return sum(aiopar.wait(f) for f in futures)
+
+
+def by_name(prof: Profile, name: str):
+    return [r for r in prof.records if r.name == name]
+
+
+@pytest.fixture
+def thread_backend():
+    with aiopar.get_backend("thread", max_workers=2) as backend, aiopar.use_backend(backend):
+        yield backend
+
+
+def test_off_means_no_recorder_and_no_records(thread_backend):
+    assert _trace.active is None
+    fut = aiopar.fork(leaf, 1)
+    assert fut._task.record is None
+    fut.wait()
+    with profile():
+        assert _trace.active is not None
+    assert _trace.active is None
+
+
+def test_records_a_task_on_the_thread_backend(thread_backend):
+    with profile() as prof:
+        fut = aiopar.fork(leaf, 7)
+        assert fut.wait() == 7
+    [record] = prof.records
+    assert record.name == "leaf"
+    assert record.backend == "thread"
+    assert record.finished
+    assert record.fork_ns <= record.start_ns <= record.end_ns
+    assert record.duration_ns >= 1_000_000  # it slept 2 ms
+    assert record.queue_delay_ns >= 0
+    assert record.worker.pid == os.getpid()
+    assert record.forker.name == threading.current_thread().name
+    assert record.parent is None
+
+
+def test_records_inline_tasks_in_the_caller():
+    with aiopar.use_backend("inline"), profile() as prof:
+        aiopar.fork(leaf, 1).wait()
+    [record] = prof.records
+    assert record.backend == "inline"
+    assert record.worker.tid == threading.get_native_id()
+    assert record.worker == record.forker
+
+
+@pytest.mark.parametrize("backend", ["openmp", "process"])
+def test_records_tasks_on_other_backends(backend):
+    if backend not in aiopar.available_backends():
+        pytest.skip(f"the {backend!r} backend is not available")
+    with aiopar.use_backend(backend), profile() as prof:
+        assert aiopar.wait_all([aiopar.fork(leaf, i) for i in range(3)]) == [0, 1, 2]
+    records = by_name(prof, "leaf")
+    assert len(records) == 3
+    for record in records:
+        assert record.backend == backend
+        assert record.finished, record
+        assert record.fork_ns <= record.start_ns <= record.end_ns
+        if backend == "process":
+            assert record.worker.pid != os.getpid()
+    trace = prof.chrome_trace()
+    assert sum(e["ph"] == "X" and e["name"] == "leaf" for e in trace["traceEvents"]) == 3
+
+
+def test_parent_is_the_task_that_forked(thread_backend):
+    with profile() as prof:
+        assert aiopar.fork(node, 3).wait() == 3
+    [parent] = by_name(prof, "node")
+    children = by_name(prof, "leaf")
+    assert len(children) == 3
+    assert parent.parent is None
+    assert all(child.parent is parent for child in children)
+    assert all(child.forker == parent.worker for child in children)
+
+
+def test_parent_survives_a_stolen_child(thread_backend):
+    # node waits on a leaf that has not started, so it runs the leaf itself:
+    # while it does, the leaf is the current task, then node is again.
+    def forks_after_stealing() -> None:
+        aiopar.fork(leaf).wait()
+        aiopar.fork(leaf).wait()
+
+    with profile() as prof:
+        aiopar.fork(forks_after_stealing).wait()
+    [parent] = by_name(prof, "test_parent_survives_a_stolen_child.<locals>.forks_after_stealing")
+    assert [r.parent for r in by_name(prof, "leaf")] == [parent, parent]
+
+
+def test_blocked_time_is_counted_when_a_wait_blocks(thread_backend):
+    started = threading.Event()
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.05)
+
+    def waits_for_slow() -> None:
+        fut = aiopar.fork(slow)
+        started.wait()  # slow is running, so the wait below blocks
+        fut.wait()
+
+    with profile() as prof:
+        aiopar.fork(waits_for_slow).wait()
+    [waiter] = by_name(
+        prof, "test_blocked_time_is_counted_when_a_wait_blocks.<locals>.waits_for_slow"
+    )
+    assert waiter.blocked_ns >= 20_000_000
+    [stats] = [s for s in prof.stats() if s.name == waiter.name]
+    assert stats.blocked >= 0.02
+    waits = [e for e in prof.chrome_trace()["traceEvents"] if e["name"] == "wait"]
+    assert any("slow" in e["args"].get("waiting_for", "") for e in waits)
+
+
+def test_nested_profiles_each_record_what_was_forked_while_open(thread_backend):
+    with profile() as outer:
+        aiopar.fork(leaf, 1).wait()
+        with profile() as inner:
+            aiopar.fork(leaf, 2).wait()
+        aiopar.fork(leaf, 3).wait()
+    assert len(outer.records) == 3
+    assert len(inner.records) == 1
+    assert inner.records[0] is outer.records[1]
+    assert _trace.active is None
+
+
+def test_reentering_an_open_profile_is_an_error():
+    with profile() as prof, pytest.raises(RuntimeError, match="already recording"), prof:
+        pass
+
+
+def test_records_forks_from_other_threads(thread_backend):
+    def user_thread() -> None:
+        aiopar.fork(leaf, 5).wait()
+
+    with profile() as prof:
+        thread = threading.Thread(target=user_thread, name="user-thread")
+        thread.start()
+        thread.join()
+    [record] = prof.records
+    assert record.forker.name == "user-thread"
+
+
+def test_a_task_that_ends_after_the_profile_closes_is_completed(thread_backend):
+    gate = threading.Event()
+    with profile() as prof:
+        fut = aiopar.fork(gate.wait, 5)
+    gate.set()
+    fut.wait()
+    [record] = prof.records
+    assert record.finished
+
+
+def test_cancelled_tasks_are_unfinished_and_left_out_of_the_trace():
+    gate = threading.Event()
+    with aiopar.get_backend("thread", max_workers=1) as backend, profile() as prof:
+        blocker = backend.fork(gate.wait, 5)
+        queued = backend.fork(leaf, 1)
+        assert queued.cancel()
+        gate.set()
+        blocker.wait()
+    [leaf_stats] = [s for s in prof.stats() if s.name == "leaf"]
+    assert (leaf_stats.count, leaf_stats.unfinished) == (0, 1)
+    assert "unfinished" in prof.table()
+    names = {e["name"] for e in prof.chrome_trace()["traceEvents"] if e["ph"] == "X"}
+    assert "leaf" not in names
+
+
+def check_trace_schema(trace: dict) -> None:
+    """What chrome://tracing and Perfetto need from a Trace Event JSON file."""
+    events = trace["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert slices
+    for e in slices:
+        assert isinstance(e["name"], str)
+        for key in ("ts", "dur", "pid", "tid"):
+            assert isinstance(e[key], int | float), (key, e)
+        assert e["dur"] >= 0
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    starts = {e["id"]: e for e in flows if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in flows if e["ph"] == "f"}
+    assert len(starts) == len(finishes) == len(flows) / 2
+    assert starts.keys() == finishes.keys()
+    for flow in flows:
+        # each end binds to a slice enclosing it on its own thread
+        assert any(
+            s["pid"] == flow["pid"]
+            and s["tid"] == flow["tid"]
+            and s["ts"] <= flow["ts"] <= s["ts"] + s["dur"]
+            for s in slices
+        ), flow
+    for fid, start in starts.items():
+        assert start["ts"] <= finishes[fid]["ts"]
+        assert finishes[fid]["bp"] == "e"
+    named_threads = {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"}
+    named_processes = {e["pid"] for e in events if e["name"] == "process_name"}
+    for e in slices + flows:
+        assert (e["pid"], e["tid"]) in named_threads, e
+        assert e["pid"] in named_processes, e
+
+
+def test_chrome_trace_schema_and_export(thread_backend, tmp_path):
+    with profile() as prof:
+        futures = [aiopar.fork(node, 2) for _ in range(3)]
+        aiopar.wait_all(futures)
+        with aiopar.use_backend("inline"):
+            aiopar.fork(leaf).wait()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    check_trace_schema(trace)
+    task_slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "profile"]
+    assert sum(e["name"] == "node" for e in task_slices) == 3
+    assert sum(e["name"] == "leaf" for e in task_slices) == 7
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "s"]) == 10
+    leaf_args = [e["args"] for e in task_slices if e["name"] == "leaf"]
+    node_ids = {e["args"]["task"] for e in task_slices if e["name"] == "node"}
+    assert sum(args["parent"] in node_ids for args in leaf_args) == 6
+
+
+def test_export_to_an_unwritable_path_raises_oserror(tmp_path):
+    with profile() as prof:
+        pass
+    with pytest.raises(OSError):
+        prof.export_chrome_trace(tmp_path / "missing-dir" / "trace.json")
+
+
+def test_worker_process_times_land_in_their_own_row():
+    # What the process backend reports for a task that ran in a worker process.
+    with aiopar.use_backend("inline"), profile() as prof:
+        fut = aiopar.fork(leaf)
+    record = prof.records[0]
+    fut.wait()
+    now = time.perf_counter_ns()
+    record.on_remote_run(now - 2000, now - 1000, pid=424242)
+    assert record.worker.pid == 424242
+    assert record.duration_ns == 1000
+    trace = prof.chrome_trace()
+    check_trace_schema(trace)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert "aiopar worker process (pid 424242)" in names
+
+
+def test_table_and_stats(thread_backend):
+    with profile() as prof:
+        aiopar.fork(node, 4).wait()
+    stats = {s.name: s for s in prof.stats()}
+    assert stats["leaf"].count == 4
+    assert stats["node"].count == 1
+    assert stats["leaf"].backends == ("thread",)
+    assert stats["leaf"].max >= stats["leaf"].mean >= 0.001
+    assert stats["leaf"].total == pytest.approx(stats["leaf"].mean * 4)
+    assert stats["node"].total >= stats["leaf"].max
+    assert [s.name for s in prof.stats("name")] == ["leaf", "node"]
+    text = prof.table()
+    for word in ("task", "count", "total", "mean", "max", "queue", "blocked", "leaf", "node"):
+        assert word in text
+    assert "5 tasks" in text
+    assert prof.table(row_limit=1).count("leaf") + prof.table(row_limit=1).count("node") == 1
+    with pytest.raises(ValueError, match="sort_by"):
+        prof.stats("fastest")
