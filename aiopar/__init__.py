@@ -9,12 +9,16 @@ from ._api import TaskGroup, as_completed, collect_all, fork, task_group, wait, 
 from ._config import (
     get_backend,
     get_num_interop_threads,
+    get_num_threads,
+    parallel_info,
     set_backend,
     set_num_interop_threads,
+    set_num_threads,
     use_backend,
 )
 from ._errors import BrokenWorkerError, CancelledError, InvalidStateError
 from ._future import Future
+from ._parallel import in_parallel_region, parallel_for
 from .backends import Backend, available_backends
 
 __version__ = "0.1.0"
@@ -32,8 +36,13 @@ __all__ = [
     "fork",
     "get_backend",
     "get_num_interop_threads",
+    "get_num_threads",
+    "in_parallel_region",
+    "parallel_for",
+    "parallel_info",
     "set_backend",
     "set_num_interop_threads",
+    "set_num_threads",
     "task_group",
     "use_backend",
     "wait",

@@ -3,14 +3,24 @@
 The current backend is a :mod:`contextvars` scope set by ``use_backend``
 over a process-wide default set by ``set_backend``, so a scope holds across
 ``await`` and inside every task forked under it.
+
+Thread counts come in two kinds, kept apart as ATen keeps them: *interop*
+workers run forked tasks side by side, *intra-op* threads split one operation
+(BLAS and OpenMP threads, set through threadpoolctl, plus the helpers of
+``parallel_for``). Unless the user sets the intra-op count, a budget keeps
+interop x intra-op within the cores while tasks run.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import os
+import platform
+import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,8 +31,11 @@ __all__ = [
     "current_backend",
     "get_backend",
     "get_num_interop_threads",
+    "get_num_threads",
+    "parallel_info",
     "set_backend",
     "set_num_interop_threads",
+    "set_num_threads",
     "use_backend",
 ]
 
@@ -99,6 +112,8 @@ def use_backend(name_or_backend: str | Backend, **options: Any) -> Iterator[Back
 
 # -- thread counts ------------------------------------------------------------
 
+_logger = logging.getLogger("aiopar")
+
 
 @functools.cache
 def cores() -> int:
@@ -128,3 +143,285 @@ def set_num_interop_threads(n: int) -> None:
     """Set the thread backend's worker count; pools already running follow it."""
     global interop_threads
     interop_threads = _check_thread_count(n, "set_num_interop_threads(n): n")
+
+
+#: environment variables that decide thread counts, in the order they are read
+#: for the starting intra-op count (the first one set wins)
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+def _threads_from_env() -> tuple[int | None, str | None]:
+    for name in THREAD_ENV_VARS[:4]:
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                n = int(value.split(",")[0])  # OMP_NUM_THREADS may be a list per level
+            except ValueError:
+                continue
+            if n >= 1:
+                return n, name
+    return None, None
+
+
+class _ThreadBudget:
+    """The intra-op thread count and the libraries it is applied to.
+
+    The count is explicit (``set_num_threads``, or a thread-count environment
+    variable at import) or budgeted: ``cores // k`` while k tasks run at once
+    on in-process pools (a worker blocked in ``wait`` does not count), never
+    below 1, and all the cores when at most one runs.
+
+    BLAS pools (OpenBLAS with pthreads, MKL, BLIS) are process-wide, so the
+    count is applied to them whenever it changes, and only then, through
+    threadpoolctl's per-library controllers (about a microsecond). OpenMP
+    limits are per thread, so a thread applies them to itself when it starts
+    running a task.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # serialises changes to the libraries
+        # One token per running task. deque.append/pop are atomic, so the
+        # hot path takes no lock; whoever sees the budget change re-checks
+        # under the lock until the libraries match the count.
+        self.tokens: deque[None] = deque()
+        n_cores = cores()
+        # the budgeted count for k running tasks: all cores for 0 or 1, then cores // k
+        self.shares = (n_cores, *(max(1, n_cores // k) for k in range(1, n_cores + 1)))
+        self.explicit, self.explicit_from = _threads_from_env()
+        self.applied: int | None = None  # last count given to the process-wide libraries
+        self.controller: Any = None  # threadpoolctl.ThreadpoolController, made lazily
+        self.process_wide: list[Any] = []
+        self.per_thread: list[Any] = []
+        self.modules_seen = -1  # len(sys.modules) at the last scan for libraries
+        self.local = threading.local()  # .applied: per-thread libraries' count in this thread
+
+    @property
+    def running(self) -> int:
+        """Tasks running now on in-process pools, plus busy parallel_for helpers."""
+        return len(self.tokens)
+
+    def target(self) -> int:
+        """The intra-op thread count right now."""
+        if self.explicit is not None:
+            return self.explicit
+        shares = self.shares
+        running = len(self.tokens)
+        return shares[running] if running < len(shares) else 1
+
+    def add_running(self, delta: int) -> None:
+        """``delta`` more (or fewer) tasks run now; re-budget if the count changes.
+
+        Called by pools when a worker starts or ends a task, blocks in
+        ``wait`` or resumes, and by ``parallel_for`` for its helpers. Costs a
+        few attribute look-ups unless the budgeted count changes.
+        """
+        tokens = self.tokens
+        if delta == 1:
+            tokens.append(None)
+        elif delta == -1:
+            tokens.pop()
+        elif delta > 0:
+            tokens.extend([None] * delta)
+        else:
+            for _ in range(-delta):
+                tokens.pop()
+        if self.explicit is None:
+            shares = self.shares
+            running = len(tokens)
+            n = shares[running] if running < len(shares) else 1
+            if n != self.applied:
+                with self.lock:
+                    n = self._follow_budget()
+        else:
+            n = self.explicit
+        if delta > 0 and self.per_thread and getattr(self.local, "applied", None) != n:
+            self._apply_this_thread(n)
+
+    def set_explicit(self, n: int | None, source: str | None) -> None:
+        with self.lock:
+            self.explicit, self.explicit_from = n, source
+            self._scan()
+            if n is None:
+                n = self._follow_budget()
+            else:
+                self._apply(n)
+        if self.per_thread:
+            self._apply_this_thread(n)
+
+    # Called with self.lock held.
+    def _follow_budget(self) -> int:
+        # The count may change again while the libraries are being set:
+        # repeat until they match it, so the last change always wins.
+        while True:
+            n = self.target()
+            if n == self.applied or self.explicit is not None:
+                return n
+            self._apply(n)
+
+    # Called with self.lock held.
+    def _apply(self, n: int) -> None:
+        if len(sys.modules) != self.modules_seen:
+            self._scan()  # a new import may have loaded another BLAS
+        for lib in self.process_wide:
+            # threadpoolctl lets one thread at a time limit a process-wide
+            # OpenBLAS pool and silently ignores the others; the budget is
+            # changed from whichever worker starts or ends a task, so take
+            # control for the call and hand it back at once.
+            release = getattr(type(lib), "clear_controlling_thread", None)
+            try:
+                if release is not None:
+                    release(force=True)
+                lib.set_num_threads(n)
+                if release is not None:
+                    release()
+            except Exception:
+                _logger.exception("could not set the thread count of %s", lib.filepath)
+        self.applied = n
+
+    def _apply_this_thread(self, n: int) -> None:
+        for lib in self.per_thread:
+            try:
+                lib.set_num_threads(n)
+            except Exception:
+                _logger.exception("could not set the thread count of %s", lib.filepath)
+        self.local.applied = n
+
+    def _scan(self) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self.modules_seen = len(sys.modules)
+        self.controller = ThreadpoolController()
+        self.process_wide, self.per_thread = [], []
+        for lib in self.controller.lib_controllers:
+            if lib.user_api == "openmp" or getattr(lib, "threading_layer", None) == "openmp":
+                self.per_thread.append(lib)
+            else:
+                self.process_wide.append(lib)
+        self.applied = None
+        self.local = threading.local()
+
+    def libraries(self) -> list[dict[str, Any]]:
+        """threadpoolctl's view of the loaded BLAS/OpenMP libraries, freshly scanned."""
+        with self.lock:
+            self._scan()
+            return self.controller.info()
+
+
+budget = _ThreadBudget()
+
+
+def get_num_threads() -> int:
+    """Intra-op threads: what BLAS, OpenMP and ``parallel_for`` may use right now.
+
+    This is the count given to :func:`set_num_threads` if it was called (or
+    read from ``OMP_NUM_THREADS`` and the like at import). Otherwise it is
+    the budget: all the cores while no forked task runs, ``cores // k``
+    (at least 1) while k tasks run at once.
+    """
+    return budget.target()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Use exactly ``n`` intra-op threads from now on, or ``None`` for the budget.
+
+    Applies at once to every BLAS and OpenMP library that threadpoolctl
+    finds (OpenMP in the calling thread, and in each worker when it next
+    starts a task) and to ``parallel_for``. An explicit count is kept as
+    given, whatever runs: ``n`` above ``cores() // get_num_interop_threads()``
+    oversubscribes the cores once several forked tasks use BLAS at the same
+    time, and :func:`parallel_info` says so. ``set_num_threads(None)`` hands
+    the count back to the budget.
+    """
+    if n is not None:
+        _check_thread_count(n, "set_num_threads(n): n (or None for the automatic budget)")
+    budget.set_explicit(n, None if n is None else "set_num_threads")
+
+
+def parallel_info() -> str:
+    """A report of the parallel settings, for people and bug reports.
+
+    Lists the backends (available and current), the interop workers, the
+    intra-op threads and how they were decided, the BLAS/OpenMP libraries
+    threadpoolctl sees with their thread counts, the environment variables
+    that set thread counts, and a warning line for each setting that
+    oversubscribes the cores.
+    """
+    from . import _parallel  # it imports this module
+    from .backends import available_backends
+
+    n_cores = cores()
+    lines = [f"aiopar on {n_cores} cores (Python {platform.python_version()}, {sys.platform})"]
+    backend = _scoped_backend.get() or _default_backend
+    current = backend.name if backend is not None and not backend.closed else "thread"
+    lines.append(f"backends: {', '.join(available_backends())} (current: {current})")
+    if backend is not None and not backend.closed:
+        workers = f"{backend.max_workers} on the current {backend.name!r} backend"
+    else:
+        workers = f"{interop_threads} (the thread backend's default)"
+    lines.append(f"interop workers: {workers}; get_num_interop_threads() = {interop_threads}")
+
+    intra = budget.target()
+    if budget.explicit is not None:
+        how = f"set by {budget.explicit_from}, kept whatever runs"
+    else:
+        how = f"budget: cores // running tasks, {budget.running} running now"
+    lines.append(f"intra-op threads: {intra} ({how})")
+    helpers = _parallel.helper_count()
+    lines.append(
+        f"parallel_for: up to {intra} threads (the caller + {max(intra - 1, 0)} helpers; "
+        f"{helpers} helper thread{'s' if helpers != 1 else ''} started)"
+    )
+
+    libraries = budget.libraries()
+    lines.append("libraries (threadpoolctl):" if libraries else "libraries: none loaded")
+    for lib in libraries:
+        layer = lib.get("threading_layer")
+        lines.append(
+            f"  {lib['internal_api']} {lib.get('version') or '?'} ({lib['user_api']}"
+            f"{', ' + layer if layer else ''}): {lib['num_threads']} threads, "
+            f"{os.path.basename(lib['filepath'])}"
+        )
+    lines.append(
+        "environment: "
+        + ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_ENV_VARS)
+    )
+    lines.extend(f"WARNING: {w}" for w in _oversubscription(libraries, backend))
+    return "\n".join(lines)
+
+
+def _oversubscription(libraries: list[dict[str, Any]], backend: Backend | None) -> list[str]:
+    n_cores = cores()
+    warnings = []
+    workers = interop_threads
+    if backend is not None and not backend.closed and backend.name == "thread":
+        workers = backend.max_workers
+    if budget.explicit is not None and workers * budget.explicit > n_cores:
+        warnings.append(
+            f"{workers} interop workers x {budget.explicit} intra-op threads "
+            f"({budget.explicit_from}) = {workers * budget.explicit} threads on {n_cores} cores: "
+            f"forked tasks that use BLAS or parallel_for at the same time will oversubscribe; "
+            f"set_num_threads(None) restores the automatic budget"
+        )
+    for lib in libraries:
+        if lib["num_threads"] > n_cores:
+            warnings.append(
+                f"{lib['internal_api']} uses {lib['num_threads']} threads on {n_cores} cores"
+            )
+    return warnings
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread survives in a child: no task runs there yet,
+    # and the lock may have been held by a thread that is gone.
+    budget.lock = threading.Lock()
+    budget.tokens = deque()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

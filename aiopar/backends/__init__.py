@@ -26,6 +26,7 @@ ENTRY_POINT_GROUP = "aiopar.backends"
 _BUILTINS = {
     "inline": "aiopar.backends.inline:InlineBackend",
     "thread": "aiopar.backends.thread:ThreadBackend",
+    "openmp": "aiopar.backends.openmp:OpenMPBackend",
 }
 
 _plugins: dict[str, Any] | None = None

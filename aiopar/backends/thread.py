@@ -4,7 +4,8 @@ Workers start lazily, up to ``max_workers``. A worker that blocks in
 ``wait`` on a task another thread is running is counted out of the pool
 while it waits, and a compensating worker starts if work is queued, so
 nested fork/wait never starves the pool; surplus workers retire once the
-blocked ones come back.
+blocked ones come back. Workers report each task they start and end, and
+each wait they block in, to the intra-op thread budget (see ``_config``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import queue
 import threading
 
 from .. import _config
+from .._future import PENDING
 from .._future import _local as _future_thread_state
 from ._base import Backend, Task
 
@@ -72,11 +74,19 @@ class ThreadBackend(Backend):
     def _work(self) -> None:
         _future_thread_state.worker = self
         tasks = self._queue
+        add_running = _config.budget.add_running
         while True:
             task = tasks.get()
             if task is None:
                 break
-            task.run()
+            # A task a waiter ran itself, or one cancelled, is skipped
+            # without touching the thread budget.
+            if task.future._state == PENDING:
+                add_running(1)
+                try:
+                    task.run()
+                finally:
+                    add_running(-1)
             del task
             if len(self._threads) - self._blocked > self.max_workers and self._retire():
                 return
@@ -90,8 +100,10 @@ class ThreadBackend(Backend):
             self._threads.discard(threading.current_thread())
             return True
 
-    # Called by Future.wait in a worker thread of this pool.
+    # Called by Future.wait in a worker thread of this pool. A blocked worker
+    # also leaves its share of the thread budget to the tasks still running.
     def worker_blocked(self) -> None:
+        _config.budget.add_running(-1)
         with self._lock:
             self._blocked += 1
             if not self._queue.empty() and len(self._threads) - self._blocked < self.max_workers:
@@ -100,6 +112,7 @@ class ThreadBackend(Backend):
     def worker_resumed(self) -> None:
         with self._lock:
             self._blocked -= 1
+        _config.budget.add_running(1)
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
         with self._lock:

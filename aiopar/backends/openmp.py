@@ -1,0 +1,47 @@
+"""The "openmp" backend: one task at a time, each with every intra-op thread.
+
+The intra-op counterpart of "thread": instead of running forked tasks side by
+side with a share of the cores each, it runs them one after another on a
+single lane thread, in fork order, and lets each split its own work across
+all the intra-op threads (BLAS and OpenMP threads, and ``parallel_for``).
+That is the faster choice when tasks are few and their operations parallelise
+well (large matrix products, big elementwise ufuncs); results are the same as
+on "thread".
+"""
+
+from __future__ import annotations
+
+from .._future import _local as _future_thread_state
+from .thread import ThreadBackend
+
+__all__ = ["OpenMPBackend"]
+
+
+class OpenMPBackend(ThreadBackend):
+    """Runs forked tasks one at a time, in fork order, on a single lane thread.
+
+    Guarantees:
+
+    * a task forked from outside the lane starts only after every task forked
+      before it has finished (or blocked, below), and never in the thread
+      that waits for it;
+    * while a task runs alone it has every intra-op thread: the budget gives
+      it all the cores, or the count fixed by ``set_num_threads``;
+    * a task that forks on this backend and waits for the result from inside
+      the lane runs the awaited task itself if it has not started, as a call
+      would; if the awaited task is already running elsewhere, or the wait has
+      a timeout, the lane hands its queue to a stand-in thread while it is
+      blocked, so nested fork/wait never deadlocks.
+    """
+
+    name = "openmp"
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self._thread_names = self._thread_names.replace("thread", "openmp", 1)
+
+    @property
+    def stealable(self) -> bool:  # type: ignore[override]
+        # Only the lane itself may run an awaited task in place: any other
+        # waiter would run it beside the lane, out of order.
+        return getattr(_future_thread_state, "worker", None) is self
