@@ -1,0 +1,393 @@
+"""The wire between the parent and a worker process: framed messages over a
+Unix socket, with large buffers passed as shared-memory file descriptors.
+
+Values are pickled with protocol 5. Buffers of at least ``LARGE_BUFFER``
+bytes (numpy arrays, bytearrays, ...) leave the pickle stream: they are
+copied once into a shared-memory segment (a ``memfd``) whose descriptor
+travels with the message (``SCM_RIGHTS``), and the receiver maps it and
+rebuilds the arrays on top of the mapping without copying again.
+
+A segment has no name, so nothing can be left behind in ``/dev/shm``: the
+kernel frees it once the last descriptor and mapping are gone, even if
+either process is killed. The sender keeps its descriptor so it can reuse
+the segment's memory (already paged in) for a later message; the receiver
+tells it when its mapping is gone (``released`` ids ride on the next frame).
+Without ``os.memfd_create`` (not Linux) every buffer stays in the pickle.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import socket
+import struct
+import threading
+import weakref
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["Channel", "Frame", "Packed", "SegmentPool", "pack"]
+
+#: buffers at least this big travel in shared memory, smaller ones in the pickle
+LARGE_BUFFER = 64 * 1024
+#: free segment memory each process keeps for reuse before it gives memory back
+SEGMENT_CACHE_BYTES = 256 * 1024 * 1024
+
+_HAVE_MEMFD = hasattr(os, "memfd_create")
+_ALIGN = 64  # buffers start on cache-line boundaries inside a segment
+
+# kinds of frame
+TASK, RESULT, ERROR, READY, RELEASE = 1, 2, 3, 4, 5
+
+# kind, has segment, buffer count, released-id count, message id,
+# segment id, segment size, payload size, start and end times (ns)
+_HEADER = struct.Struct("<BBxxIIxxxxqQQQqq")
+_ANC_SIZE = socket.CMSG_SPACE(16 * array("i").itemsize)
+_ZERO_COPY_MAP = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+class Segment:
+    """A shared-memory segment owned by the process that writes into it."""
+
+    __slots__ = ("fd", "id", "mapping", "owner", "size")
+
+    def __init__(self, id: int, fd: int, size: int) -> None:
+        self.id = id
+        self.fd = fd
+        self.size = size
+        self.mapping: mmap.mmap | None = None  # this process's own view, once reused
+        self.owner: object = None  # the peer it was last sent to
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+        os.close(self.fd)
+
+
+class SegmentPool:
+    """The segments one process writes, recycled once their receiver lets go."""
+
+    def __init__(self, cache_bytes: int = SEGMENT_CACHE_BYTES) -> None:
+        self._lock = threading.Lock()
+        self._free: list[Segment] = []
+        self._busy: dict[int, Segment] = {}
+        self._cache_bytes = cache_bytes
+        self._next_id = 1
+
+    def write(self, views: list[memoryview], size: int) -> Segment:
+        """A segment holding ``views`` back to back, each at an aligned offset."""
+        with self._lock:
+            seg = self._take(size)
+            self._busy[seg.id] = seg
+        try:
+            if seg.size >= size:
+                # A reused segment: its pages exist, so a mapping kept from
+                # one use to the next makes the copy a plain memcpy.
+                if seg.mapping is None:
+                    seg.mapping = mmap.mmap(seg.fd, seg.size, flags=_ZERO_COPY_MAP)
+                offset = 0
+                for view in views:
+                    seg.mapping[offset : offset + view.nbytes] = view
+                    offset += _aligned(view.nbytes)
+                return seg
+            if seg.mapping is not None:
+                seg.mapping.close()
+                seg.mapping = None
+            os.ftruncate(seg.fd, size)
+            seg.size = size
+            offset = 0
+            for view in views:
+                # New pages: pwrite fills them without faulting each one in here.
+                written = os.pwrite(seg.fd, view, offset)
+                while written < view.nbytes:
+                    written += os.pwrite(seg.fd, view[written:], offset + written)
+                offset += _aligned(view.nbytes)
+        except BaseException:
+            self.release(seg.id)
+            raise
+        return seg
+
+    def _take(self, size: int) -> Segment:
+        # Called with the lock held: the smallest free segment that fits,
+        # else the biggest one (grown), else a new one.
+        fits = [s for s in self._free if s.size >= size]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+        elif self._free:
+            seg = max(self._free, key=lambda s: s.size)
+        else:
+            fd = os.memfd_create("aiopar", os.MFD_CLOEXEC)
+            seg = Segment(self._next_id, fd, 0)
+            self._next_id += 1
+            return seg
+        self._free.remove(seg)
+        return seg
+
+    def release(self, seg_id: int) -> None:
+        """The receiver is done with the segment: keep it for reuse or free it."""
+        with self._lock:
+            seg = self._busy.pop(seg_id, None)
+            if seg is None:
+                return
+            seg.owner = None
+            self._free.append(seg)
+            cached = sum(s.size for s in self._free)
+            while cached > self._cache_bytes and self._free:
+                oldest = self._free.pop(0)
+                cached -= oldest.size
+                oldest.close()
+
+    def release_owner(self, owner: object) -> None:
+        """Release every segment last sent to ``owner`` (a peer that died)."""
+        with self._lock:
+            ids = [seg.id for seg in self._busy.values() if seg.owner is owner]
+        for seg_id in ids:
+            self.release(seg_id)
+
+    def close(self) -> None:
+        """Close every descriptor; mappings that receivers still hold stay valid."""
+        with self._lock:
+            segs = self._free + list(self._busy.values())
+            self._free, self._busy = [], {}
+        for seg in segs:
+            seg.close()
+
+
+class Packed:
+    """A pickled value ready to send: the pickle, plus a segment for big buffers."""
+
+    __slots__ = ("lengths", "payload", "pool", "segment")
+
+    def __init__(
+        self,
+        payload: bytes,
+        lengths: list[int],
+        segment: Segment | None,
+        pool: SegmentPool | None,
+    ) -> None:
+        self.payload = payload
+        self.lengths = lengths
+        self.segment = segment
+        self.pool = pool
+
+    def discard(self) -> None:
+        """Give the segment back: the value will never be sent."""
+        if self.segment is not None and self.pool is not None:
+            self.pool.release(self.segment.id)
+            self.segment = None
+
+
+def pack(obj: Any, pool: SegmentPool, *, by_value: bool = True) -> Packed:
+    """Pickle ``obj``, moving its large buffers into a segment from ``pool``.
+
+    ``by_value`` uses cloudpickle (functions, lambdas, classes from
+    ``__main__``); otherwise plain pickle, with cloudpickle as the fallback.
+    """
+    large: list[memoryview] = []
+
+    def buffer_callback(buf: pickle.PickleBuffer) -> bool:
+        view = buf.raw()
+        if view.nbytes < LARGE_BUFFER or not _HAVE_MEMFD:
+            return True  # in-band: part of the pickle
+        large.append(view)
+        return False
+
+    if by_value:
+        payload = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+    else:
+        try:
+            payload = pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+        except Exception:
+            large.clear()
+            payload = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+    if not large:
+        return Packed(payload, [], None, None)
+    lengths = [view.nbytes for view in large]
+    size = sum(_aligned(n) for n in lengths)
+    segment = pool.write(large, size)
+    return Packed(payload, lengths, segment, pool)
+
+
+class Frame:
+    """One received message."""
+
+    __slots__ = ("buffers", "kind", "msg_id", "payload", "t0", "t1")
+
+    def __init__(
+        self,
+        kind: int,
+        msg_id: int,
+        payload: bytes,
+        buffers: list[memoryview],
+        t0: int,
+        t1: int,
+    ) -> None:
+        self.kind = kind
+        self.msg_id = msg_id
+        self.payload = payload
+        self.buffers = buffers
+        self.t0 = t0
+        self.t1 = t1
+
+    def loads(self) -> Any:
+        """Unpickle the payload on top of the received buffers."""
+        return pickle.loads(self.payload, buffers=self.buffers)
+
+
+def _map_segment(
+    fd: int, size: int, lengths: list[int], on_unmapped: Callable[[], None]
+) -> list[memoryview]:
+    try:
+        mapping = mmap.mmap(fd, size, flags=_ZERO_COPY_MAP)
+    finally:
+        os.close(fd)
+    # Called once the last array built on the mapping is gone.
+    finalizer = weakref.finalize(mapping, on_unmapped)
+    finalizer.atexit = False
+    whole = memoryview(mapping)
+    views = []
+    offset = 0
+    for n in lengths:
+        views.append(whole[offset : offset + n])
+        offset += _aligned(n)
+    return views
+
+
+class Channel:
+    """Framed messages over one end of a Unix stream socket.
+
+    ``send`` is not thread-safe: callers serialize it. ``on_released(seg_id)``
+    is called for every segment the peer reports it no longer maps;
+    ``on_unmapped(seg_id)`` once this process stops mapping one the peer sent.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_released: Callable[[int], None],
+        on_unmapped: Callable[[int], None],
+    ) -> None:
+        self.sock = sock
+        self._on_released = on_released
+        self._on_unmapped = on_unmapped
+        self._buf = bytearray()
+        self._fds: deque[int] = deque()
+        # A reused read buffer: a fresh big bytes object per read costs an
+        # mmap and page faults.
+        self._chunk = bytearray(64 * 1024)
+        self._chunk_view = memoryview(self._chunk)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(
+        self,
+        kind: int,
+        msg_id: int = 0,
+        packed: Packed | None = None,
+        *,
+        released: Iterable[int] = (),
+        t0: int = 0,
+        t1: int = 0,
+        owner: object = None,
+    ) -> None:
+        released = list(released)
+        seg = packed.segment if packed is not None else None
+        payload = packed.payload if packed is not None else b""
+        lengths = packed.lengths if packed is not None else []
+        header = _HEADER.pack(
+            kind,
+            seg is not None,
+            len(lengths),
+            len(released),
+            msg_id,
+            seg.id if seg is not None else 0,
+            sum(_aligned(n) for n in lengths),
+            len(payload),
+            t0,
+            t1,
+        )
+        parts = [header, array("Q", lengths + released).tobytes(), payload]
+        ancdata = []
+        if seg is not None:
+            seg.owner = owner
+            ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", [seg.fd]))]
+        total = sum(len(p) for p in parts)
+        sent = self.sock.sendmsg(parts, ancdata)
+        if sent < total:
+            self.sock.sendall(memoryview(b"".join(parts))[sent:])
+
+    def has_frame(self) -> bool:
+        """Whether a whole frame is already buffered (recv will not block)."""
+        return len(self._buf) >= _HEADER.size and self._frame_size() <= len(self._buf)
+
+    def _frame_size(self) -> int:
+        _, _, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
+        return _HEADER.size + 8 * (nbufs + nrel) + plen
+
+    def recv(self) -> Frame | None:
+        """The next frame, blocking until it is whole; None for a frame that
+        only carried released segment ids. Raises EOFError when the peer is gone."""
+        while len(self._buf) < _HEADER.size:
+            self._fill(_HEADER.size)
+        size = self._frame_size()
+        while len(self._buf) < size:
+            self._fill(size)
+        buf = self._buf
+        kind, has_seg, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(
+            buf
+        )
+        ids = array("Q")
+        start = _HEADER.size
+        ids.frombytes(bytes(buf[start : start + 8 * (nbufs + nrel)]))
+        start += 8 * (nbufs + nrel)
+        payload = bytes(buf[start : start + plen])
+        del buf[:size]
+        for released_id in ids[nbufs:]:
+            self._on_released(released_id)
+        buffers: list[memoryview] = []
+        if has_seg:
+            if not self._fds:
+                raise EOFError("a frame announced a shared-memory segment that did not arrive")
+            fd = self._fds.popleft()
+            on_unmapped = self._on_unmapped
+            buffers = _map_segment(fd, seg_size, list(ids[:nbufs]), lambda: on_unmapped(seg_id))
+        if kind == RELEASE:
+            return None
+        return Frame(kind, msg_id, payload, buffers, t0, t1)
+
+    def _fill(self, need: int) -> None:
+        missing = need - len(self._buf)
+        if missing > len(self._chunk):
+            # A big frame: read it straight in rather than through the chunk.
+            data = bytearray(missing)
+            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([data], _ANC_SIZE)
+            view = memoryview(data)[:nbytes]
+        else:
+            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([self._chunk], _ANC_SIZE)
+            view = self._chunk_view[:nbytes]
+        for level, kind, cdata in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise EOFError("file descriptors were lost in transit (MSG_CTRUNC)")
+        if not nbytes:
+            raise EOFError("the peer closed its end of the socket")
+        self._buf += view
+
+    def close(self) -> None:
+        """Close the socket and every descriptor received but not yet mapped."""
+        while self._fds:
+            os.close(self._fds.popleft())
+        self.sock.close()

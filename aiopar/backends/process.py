@@ -1,0 +1,591 @@
+"""The "process" backend: a pool of worker processes, for CPU-bound Python.
+
+Guarantees:
+
+- Any callable cloudpickle can carry runs in a worker: lambdas, closures,
+  functions and classes from ``__main__``, bound methods, callable objects.
+  The call is pickled in the thread that forks, so an argument that cannot
+  be pickled raises ``TypeError`` at ``fork``; a result that cannot be
+  pickled raises ``TypeError`` at ``wait``.
+- numpy arrays (any buffer of 64 KiB or more) travel through shared memory
+  with one copy on the sending side and none on the receiving side; the
+  segments are anonymous, so nothing is ever left in ``/dev/shm``.
+- Workers are fresh interpreters (never ``fork()``-ed from this process),
+  started when work first arrives, reused, and stopped by ``shutdown()`` or
+  at interpreter exit. A ``fork`` inside a task runs in that worker on the
+  thread backend.
+- A worker that dies (killed, segfault, ``os._exit``) fails only the task it
+  was running, with :class:`~aiopar.BrokenWorkerError`; the tasks queued
+  behind it run on a replacement.
+- A task's exception arrives with its type and, as ``__cause__``, the text
+  of the traceback in the worker.
+- ``cancel()`` succeeds until the task is sent to a worker. A waiting thread
+  never runs a process task itself (``stealable`` is false).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import json
+import logging
+import os
+import pickle
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .. import _config
+from .._errors import BrokenWorkerError
+from .._future import Future
+from . import _process_wire as wire
+from ._base import Backend, Task
+
+__all__ = ["ProcessBackend", "RemoteTraceback"]
+
+T = TypeVar("T")
+
+_logger = logging.getLogger("aiopar")
+
+#: set in worker processes: a process backend there forks onto threads
+_in_worker = False
+
+# How many workers in a row may die before they are ready until the queued
+# tasks are failed instead of starting yet another one.
+_MAX_START_FAILURES = 3
+# How long shutdown waits for an idle worker to exit before killing it.
+_STOP_TIMEOUT = 10.0
+
+_BOOT = (
+    "import sys, json; sys.path[:] = json.loads(sys.argv[2]); "
+    "from aiopar.backends._process_worker import main; main(int(sys.argv[1]))"
+)
+
+_backend_ids = itertools.count(1)
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text.
+
+    Attached as the ``__cause__`` of the exception that ``wait`` raises, so
+    a printed traceback shows where the task failed inside the worker.
+    """
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n\nTraceback in the worker process:\n"""\n{self.tb}"""'
+
+
+class RemoteError(Exception):
+    """Stands in for an exception raised in a worker that could not be pickled."""
+
+
+class _Job:
+    __slots__ = ("id", "packed", "task")
+
+    def __init__(self, task: Task, packed: wire.Packed, job_id: int) -> None:
+        self.task = task
+        self.packed = packed
+        self.id = job_id
+
+
+class _Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, backend: ProcessBackend, index: int) -> None:
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            command = [
+                sys.executable,
+                *subprocess._args_from_interpreter_flags(),
+                "-c",
+                _BOOT,
+                str(child_end.fileno()),
+                json.dumps(sys.path),
+            ]
+            self.process = subprocess.Popen(
+                command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL
+            )
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        self.index = index
+        self.pid = self.process.pid
+        self.ready = False
+        self.stopping = False
+        self.inflight: deque[_Job] = deque()  # sent, in the order the worker runs them
+        backend_ref = weakref.ref(backend)
+
+        def unmapped(seg_id: int) -> None:
+            # May run in any thread, from a garbage-collector finalizer: no locks.
+            backend = backend_ref()
+            if backend is not None:
+                backend._segment_unmapped(self, seg_id)
+
+        self.channel = wire.Channel(parent_end, backend._segments.release, unmapped)
+        self.released: deque[int] = deque()  # its segments this process no longer maps
+        self.pidfd = _pidfd_open(self.pid)
+
+    def __repr__(self) -> str:
+        return f"<worker {self.index} pid {self.pid}>"
+
+
+def _pidfd_open(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: the socket's EOF tells instead
+        return None
+
+
+class ProcessBackend(Backend):
+    """Runs forked tasks in a pool of worker processes.
+
+    ``max_workers`` defaults to the number of cores. ``prefetch`` is how many
+    tasks beyond the running one each worker may hold ready when work is
+    queued (it hides the round trip between tasks; such a task can no
+    longer be cancelled, and it waits for the task before it).
+    """
+
+    name = "process"
+    stealable = False
+
+    def __init__(self, max_workers: int | None = None, *, prefetch: int = 1) -> None:
+        if max_workers is not None and (
+            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1
+        ):
+            raise ValueError(
+                f"max_workers must be a whole number >= 1 or None, got {max_workers!r}"
+            )
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be a whole number >= 0, got {prefetch!r}")
+        super().__init__()
+        self._max_workers = max_workers or _config.cores()
+        self._prefetch = prefetch
+        self._lock = threading.Lock()
+        self._pending: deque[_Job] = deque()
+        self._workers: list[_Worker] = []
+        self._idle: list[_Worker] = []
+        self._worker_index = itertools.count()
+        self._job_ids = itertools.count(1)
+        self._start_failures = 0
+        self._segments = wire.SegmentPool()
+        self._manager: threading.Thread | None = None
+        self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._unmapped: deque[tuple[_Worker, int]] = deque()
+        self._name = f"aiopar-process-{next(_backend_ids)}"
+        _live.add(self)
+
+    @property
+    def max_workers(self) -> int:
+        return self._max_workers
+
+    def fork(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if _in_worker:
+            # Inside a worker process: never start processes from processes.
+            return _config.get_backend("thread").fork(fn, *args, **kwargs)
+        return super().fork(fn, *args, **kwargs)
+
+    # -- submitting ----------------------------------------------------------
+
+    def submit(self, task: Task) -> None:
+        if self._closed:
+            raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+        job = _Job(task, self._pack_call(task), next(self._job_ids))
+        with self._lock:
+            if self._closed:
+                job.packed.discard()
+                raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+            self._pending.append(job)
+            self._dispatch()
+            if self._pending:
+                if self._manager is None:
+                    self._manager = threading.Thread(
+                        target=self._manage, name=f"{self._name}-manager", daemon=True
+                    )
+                    self._manager.start()
+                elif len(self._workers) < self._max_workers:
+                    self._wake()  # the manager starts workers
+
+    def _pack_call(self, task: Task) -> wire.Packed:
+        call = (task.fn, task.args, task.kwargs)
+        try:
+            return wire.pack(call, self._segments)
+        except Exception as exc:
+            culprit = _find_unpicklable(task)
+            raise TypeError(
+                f"cannot send {task.name}() to a worker process: {culprit} cannot be pickled "
+                f"({type(exc).__name__}: {exc}). A process task's function and arguments "
+                f"must be picklable (cloudpickle): pass the data a lock, file, socket or "
+                f"generator was made from, or use the thread backend"
+            ) from exc
+
+    def _dispatch(self) -> None:
+        """Send queued jobs to idle workers, then prefetch onto busy ones.
+
+        Called with the lock held.
+        """
+        pending = self._pending
+        while pending and self._idle:
+            job = pending.popleft()
+            if job.task.future._claim():
+                self._send(self._idle.pop(), job)
+            elif job.task.future.running():
+                self._send(self._idle.pop(), job)  # resent after its first worker died
+            else:
+                job.packed.discard()  # cancelled
+        if pending and self._prefetch:
+            for worker in self._workers:
+                if not pending:
+                    break
+                if worker.ready and not worker.stopping and len(worker.inflight) > 0:
+                    while pending and len(worker.inflight) <= self._prefetch:
+                        job = pending[0]
+                        if job.packed.segment is not None or len(job.packed.payload) > 16384:
+                            return  # big messages only go to a worker that is reading
+                        pending.popleft()
+                        if job.task.future._claim() or job.task.future.running():
+                            self._send(worker, job)
+                        else:
+                            job.packed.discard()
+
+    def _send(self, worker: _Worker, job: _Job) -> None:
+        # Called with the lock held.
+        worker.inflight.append(job)
+        try:
+            worker.channel.send(wire.TASK, job.id, job.packed, owner=worker)
+        except OSError:
+            # The worker is dying; the manager notices through its pidfd and
+            # requeues this job, which the worker never received.
+            worker.inflight.pop()
+            self._pending.appendleft(job)
+            worker.stopping = True
+            if worker in self._idle:
+                self._idle.remove(worker)
+
+    # -- the manager thread --------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_w, b"\0")
+
+    def _segment_unmapped(self, worker: _Worker, seg_id: int) -> None:
+        self._unmapped.append((worker, seg_id))
+        self._wake()
+
+    def _manage(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        watched: set[_Worker] = set()
+        try:
+            while True:
+                with self._lock:
+                    self._start_workers()
+                    for worker in self._workers:
+                        if worker not in watched:
+                            watched.add(worker)
+                            selector.register(worker.channel, selectors.EVENT_READ, worker)
+                            if worker.pidfd is not None:
+                                selector.register(worker.pidfd, selectors.EVENT_READ, worker)
+                    if self._closed and not self._pending and not self._busy():
+                        break
+                for key, _ in selector.select():
+                    worker = key.data
+                    if worker is None:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        self._send_releases()
+                    elif worker in watched:
+                        if key.fileobj is worker.channel:
+                            if not self._read(worker):
+                                selector.unregister(worker.channel)
+                        else:
+                            self._worker_died(worker)
+                        if worker not in self._workers:
+                            watched.discard(worker)
+                            _unregister(selector, worker)
+            self._stop_workers()
+        except BaseException:
+            _logger.exception("the manager thread of %r failed; failing its tasks", self)
+            self._fail_everything()
+            raise
+        finally:
+            selector.close()
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
+            self._segments.close()
+
+    def _busy(self) -> bool:
+        return any(worker.inflight for worker in self._workers)
+
+    def _start_workers(self) -> None:
+        # Called with the lock held: one worker per queued job, up to max_workers.
+        starting = sum(1 for worker in self._workers if not worker.ready)
+        wanted = min(len(self._pending) - starting, self._max_workers - len(self._workers))
+        for _ in range(max(wanted, 0)):
+            self._workers.append(_Worker(self, next(self._worker_index)))
+
+    def _read(self, worker: _Worker) -> bool:
+        """Handle the frames waiting on the worker's socket; False at its end."""
+        channel = worker.channel
+        while True:
+            try:
+                frame = channel.recv()
+            except (EOFError, OSError):
+                if worker.pidfd is None:
+                    self._worker_died(worker)
+                else:  # its pidfd tells when it has exited
+                    with self._lock:
+                        worker.stopping = True
+                        if worker in self._idle:
+                            self._idle.remove(worker)
+                return False
+            if frame is not None:
+                self._on_frame(worker, frame)
+            if not channel.has_frame():
+                return True
+
+    def _on_frame(self, worker: _Worker, frame: wire.Frame) -> None:
+        if frame.kind == wire.READY:
+            with self._lock:
+                worker.ready = True
+                self._start_failures = 0
+                if not worker.stopping:
+                    self._idle.append(worker)
+                self._dispatch()
+            return
+        with self._lock:
+            job = worker.inflight.popleft()
+            assert job.id == frame.msg_id, (job.id, frame.msg_id)
+            if not worker.inflight and not worker.stopping:
+                self._idle.append(worker)
+            self._dispatch()
+        task = job.task
+        if task.record is not None:
+            task.record.remote_times = (worker.pid, frame.t0, frame.t1)
+        future = task.future
+        try:
+            if frame.kind == wire.RESULT:
+                outcome: tuple[Any, BaseException | None] = (frame.loads(), None)
+            else:
+                outcome = (None, _remote_exception(frame.loads(), task.name))
+        except BaseException as exc:
+            outcome = (None, _unpickling_failed(exc, task.name))
+        del frame, job, task
+        future._settle(*outcome)
+
+    def _send_releases(self) -> None:
+        by_worker: dict[_Worker, list[int]] = {}
+        while self._unmapped:
+            worker, seg_id = self._unmapped.popleft()
+            by_worker.setdefault(worker, []).append(seg_id)
+        if not by_worker:
+            return
+        with self._lock:
+            for worker, ids in by_worker.items():
+                if worker in self._workers and not worker.stopping:
+                    with contextlib.suppress(OSError):
+                        worker.channel.send(wire.RELEASE, released=ids)
+
+    def _worker_died(self, worker: _Worker) -> None:
+        # Results it sent before it died still count.
+        with contextlib.suppress(OSError, EOFError):
+            worker.channel.sock.setblocking(False)
+            while True:
+                try:
+                    frame = worker.channel.recv()
+                except BlockingIOError:
+                    break
+                if frame is not None:
+                    self._on_frame(worker, frame)
+        returncode = worker.process.wait()
+        with self._lock:
+            self._workers.remove(worker)
+            if worker in self._idle:
+                self._idle.remove(worker)
+            inflight = list(worker.inflight)
+            worker.inflight.clear()
+            running = inflight[0] if inflight else None
+            for job in reversed(inflight[1:]):
+                self._pending.appendleft(job)
+                job.packed.segment and setattr(job.packed.segment, "owner", None)
+            self._segments.release_owner(worker)
+            failed_to_start = not worker.ready and not self._closed
+            doomed: list[_Job] = []
+            if failed_to_start:
+                self._start_failures += 1
+                if self._start_failures >= _MAX_START_FAILURES:
+                    doomed = list(self._pending)
+                    self._pending.clear()
+            self._dispatch()
+        worker.channel.close()
+        if worker.pidfd is not None:
+            os.close(worker.pidfd)
+        cause = _describe_exit(returncode)
+        if running is not None:
+            running.packed.discard()
+            running.task.future._settle(
+                None,
+                BrokenWorkerError(
+                    f"the worker process (pid {worker.pid}) running {running.task.name}() died: "
+                    f"{cause}. The task's work is lost; other tasks are unaffected and a new "
+                    f"worker replaces it"
+                ),
+            )
+        for job in doomed:
+            job.packed.discard()
+            job.task.future._settle(
+                None,
+                BrokenWorkerError(
+                    f"{_MAX_START_FAILURES} worker processes in a row died before they were "
+                    f"ready (the last one {cause}); their error output is above. "
+                    f"{job.task.name}() was never run"
+                ),
+            )
+
+    def _stop_workers(self) -> None:
+        with self._lock:
+            workers = list(self._workers)
+            self._workers.clear()
+            self._idle.clear()
+        for worker in workers:
+            worker.channel.close()  # EOF tells the worker to exit
+        for worker in workers:
+            try:
+                worker.process.wait(_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                _logger.warning(
+                    "%r did not exit %s s after shutdown; killing it", worker, _STOP_TIMEOUT
+                )
+                worker.process.kill()
+                worker.process.wait()
+            if worker.pidfd is not None:
+                os.close(worker.pidfd)
+
+    def _fail_everything(self) -> None:
+        with self._lock:
+            jobs = list(self._pending)
+            self._pending.clear()
+            for worker in self._workers:
+                jobs.extend(worker.inflight)
+                worker.inflight.clear()
+        for job in jobs:
+            job.task.future._settle(
+                None, BrokenWorkerError(f"{self!r} failed internally; see the 'aiopar' log")
+            )
+        with contextlib.suppress(Exception):
+            self._stop_workers()
+
+    # -- shutting down -------------------------------------------------------
+
+    def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            cancelled = list(self._pending) if cancel_pending else []
+            if cancel_pending:
+                self._pending.clear()
+            manager = self._manager
+        for job in cancelled:
+            job.packed.discard()
+            job.task.future.cancel()
+        if manager is None:
+            with self._wake_lock:
+                if self._wake_r >= 0:
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._wake_r = self._wake_w = -1
+                    self._segments.close()
+            return
+        self._wake()
+        if wait and manager is not threading.current_thread():
+            manager.join()
+
+
+def _unregister(selector: selectors.BaseSelector, worker: _Worker) -> None:
+    for fileobj in (worker.channel, worker.pidfd):
+        if fileobj is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                selector.unregister(fileobj)
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = {
+            "SIGKILL": " (the out-of-memory killer, or someone, killed it)",
+            "SIGSEGV": " (a segmentation fault, usually in a C extension)",
+        }.get(name, "")
+        return f"it was killed by {name}{hint}"
+    return f"it exited with code {returncode}"
+
+
+def _remote_exception(info: tuple[bytes | None, str, str, str], task_name: str) -> BaseException:
+    exc_bytes, kind, message, tb_text = info
+    exc: BaseException | None = None
+    if exc_bytes is not None:
+        try:
+            exc = pickle.loads(exc_bytes)
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = RemoteError(
+            f"{kind}: {message} (raised by {task_name}() in a worker process; the exception "
+            f"itself could not be pickled, so this stands in for it)"
+        )
+    exc.__cause__ = RemoteTraceback(tb_text)
+    return exc
+
+
+def _unpickling_failed(exc: BaseException, task_name: str) -> BaseException:
+    error = TypeError(
+        f"the result of {task_name}() came back from the worker process but could not be "
+        f"unpickled here ({type(exc).__name__}: {exc}); is its class importable in this process?"
+    )
+    error.__cause__ = exc
+    return error
+
+
+def _find_unpicklable(task: Task) -> str:
+    """Name the first part of the call that does not pickle, for the error message."""
+    import cloudpickle
+
+    parts: list[tuple[str, Any]] = [("the function", task.fn)]
+    parts += [(f"argument {i}", arg) for i, arg in enumerate(task.args)]
+    parts += [(f"keyword argument {key!r}", value) for key, value in task.kwargs.items()]
+    for label, value in parts:
+        try:
+            cloudpickle.dumps(value, protocol=5, buffer_callback=lambda _: False)
+        except Exception:
+            return f"{label} (a {type(value).__module__}.{type(value).__qualname__})"
+    return "part of the call"
+
+
+_live: weakref.WeakSet[ProcessBackend] = weakref.WeakSet()
+
+
+# Registered after multiprocessing's and anything imported above, so it runs
+# before them at exit (atexit is last-in, first-out).
+@atexit.register
+def _shutdown_at_exit() -> None:
+    for backend in list(_live):
+        backend.shutdown(wait=True)
