@@ -26,6 +26,7 @@ ENTRY_POINT_GROUP = "aiopar.backends"
 _BUILTINS = {
     "inline": "aiopar.backends.inline:InlineBackend",
     "thread": "aiopar.backends.thread:ThreadBackend",
+    "process": "aiopar.backends.process:ProcessBackend",
     "openmp": "aiopar.backends.openmp:OpenMPBackend",
 }
 
