@@ -117,6 +117,9 @@ class LSTM(Module):
     def _parameters_changed(self) -> None:
         self._packed = None
 
+    def _transient_state(self) -> dict[str, Any]:
+        return {"_packed": None}
+
     def _packed_weights(self) -> list[PackedWeights]:
         packed = self._packed
         if packed is None:

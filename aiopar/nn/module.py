@@ -119,6 +119,20 @@ class Module:
     def _parameters_changed(self) -> None:
         """Hook: called after this module's own parameters were replaced."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(self._transient_state())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for array in self._parameters.values():
+            array.flags.writeable = False
+
+    def _transient_state(self) -> dict[str, Any]:
+        """Attributes to reset when pickled (caches that can be rebuilt)."""
+        return {}
+
     # -- calling ------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

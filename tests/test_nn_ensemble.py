@@ -1,0 +1,148 @@
+"""The tutorial's BidirectionalRecurrentLSTM and LSTMEnsemble, forked and not, sync and async."""
+
+from __future__ import annotations
+
+import pickle
+
+import anyio
+import numpy as np
+import pytest
+
+import aiopar
+from aiopar.nn import BidirectionalRecurrentLSTM, LSTMEnsemble
+
+T, B, C = 6, 3, 5
+FORK_VARIANTS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random(shape, dtype=np.float32)
+
+
+def test_state_dict_keys_are_the_tutorials() -> None:
+    keys = list(LSTMEnsemble(2, C, C).state_dict())
+    expected = [
+        f"models.{m}.cell_{d}.{kind}_{mat}_l0"
+        for m in range(2)
+        for d in "fb"
+        for kind in ("weight", "bias")
+        for mat in ("ih", "hh")
+    ]
+    assert sorted(keys) == sorted(expected)
+    assert keys[:4] == [
+        "models.0.cell_f.weight_ih_l0",
+        "models.0.cell_f.weight_hh_l0",
+        "models.0.cell_f.bias_ih_l0",
+        "models.0.cell_f.bias_hh_l0",
+    ]
+
+
+def test_models_get_different_weights_and_seeds_repeat() -> None:
+    ens = LSTMEnsemble(2, C, C, seed=3)
+    a, b = ens.models[0], ens.models[1]
+    assert not np.array_equal(a.cell_f.weight_hh_l0, b.cell_f.weight_hh_l0)
+    assert not np.array_equal(a.cell_f.weight_hh_l0, a.cell_b.weight_hh_l0)
+    again = LSTMEnsemble(2, C, C, seed=3)
+    for (k, v), (k2, v2) in zip(ens.state_dict().items(), again.state_dict().items(), strict=True):
+        assert k == k2
+        np.testing.assert_array_equal(v, v2)
+
+
+@pytest.mark.parametrize("fork", [False, True])
+def test_bidirectional_is_cat_of_forward_and_flipped_backward(fork) -> None:
+    model = BidirectionalRecurrentLSTM(C, 4, fork=fork, seed=0)
+    x = rand(T, B, C)
+    out_f, _ = model.cell_f(x)
+    out_b, _ = model.cell_b(np.flip(x, 0))
+    expected = np.concatenate([out_f, np.flip(out_b, 0)], axis=2)
+    out = model(x)
+    assert out.shape == (T, B, 8)
+    np.testing.assert_allclose(out, expected, atol=1e-6)
+
+
+def test_bidirectional_accepts_unbatched_input() -> None:
+    model = BidirectionalRecurrentLSTM(C, 4, fork=False, seed=0)
+    x = rand(T, C)
+    np.testing.assert_array_equal(model(x), model(x[:, None])[:, 0])
+
+
+def test_bidirectional_checks_its_input() -> None:
+    with pytest.raises(ValueError, match="last dimension is 2"):
+        BidirectionalRecurrentLSTM(C, 4)(rand(T, B, 2))
+    with pytest.raises(TypeError, match="floating-point"):
+        BidirectionalRecurrentLSTM(C, 4)(np.ones((T, B, C), np.int64))
+
+
+def test_ensemble_is_the_sum_of_its_models() -> None:
+    ens = LSTMEnsemble(3, C, 4, seed=1, fork_models=False, fork_directions=False)
+    x = rand(T, B, C)
+    expected = np.stack([m(x) for m in ens.models]).sum(0)
+    np.testing.assert_allclose(ens(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(("fork_models", "fork_directions"), FORK_VARIANTS)
+@pytest.mark.parametrize("backend", ["inline", "thread"])
+def test_forked_variants_give_identical_results(fork_models, fork_directions, backend) -> None:
+    ens = LSTMEnsemble(3, C, 12, seed=2, fork_models=False, fork_directions=False)
+    x = rand(T, 11, C)
+    expected = ens(x)
+    ens.fork_models, ens.fork_directions = fork_models, fork_directions
+    with aiopar.use_backend(backend):
+        np.testing.assert_array_equal(ens(x), expected)
+
+
+def test_fork_directions_property_sets_every_model() -> None:
+    ens = LSTMEnsemble(2, C, 4, fork_directions=False)
+    assert ens.fork_directions is False
+    ens.fork_directions = True
+    assert all(m.fork for m in ens.models)
+
+
+def test_forked_ensemble_runs_on_the_process_backend() -> None:
+    ens = LSTMEnsemble(2, C, 4, seed=4, fork_models=False, fork_directions=False)
+    x = rand(T, B, C)
+    expected = ens(x)
+    ens.fork_models = ens.fork_directions = True
+    with aiopar.use_backend("process"):
+        np.testing.assert_allclose(ens(x), expected, atol=1e-6)
+
+
+def test_modules_pickle_without_their_caches() -> None:
+    ens = LSTMEnsemble(2, C, 4, seed=5)
+    x = rand(T, B, C)
+    y = ens(x)  # builds the packed-weight caches
+    copy = pickle.loads(pickle.dumps(ens))
+    assert copy.models[0].cell_f._packed is None
+    assert not copy.models[0].cell_f.weight_ih_l0.flags.writeable
+    np.testing.assert_array_equal(copy(x), y)
+
+
+def test_forked_errors_reach_the_caller() -> None:
+    ens = LSTMEnsemble(2, C, 4, fork_models=True)
+    with pytest.raises(ValueError, match="input_size=5"):
+        ens(rand(T, B, C + 1))
+
+
+@pytest.mark.anyio
+async def test_await_fork_of_the_ensemble(anyio_backend) -> None:
+    ens = LSTMEnsemble(2, C, 8, seed=6, fork_models=False, fork_directions=False)
+    inputs = [rand(T, B, C, seed=s) for s in range(4)]
+    expected = [ens(x) for x in inputs]
+    ens.fork_models = ens.fork_directions = True
+    results: dict[int, np.ndarray] = {}
+
+    async def serve(i: int) -> None:
+        results[i] = await aiopar.fork(ens, inputs[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(inputs)):
+            tg.start_soon(serve, i)
+    for i, want in enumerate(expected):
+        np.testing.assert_array_equal(results[i], want)
+
+
+@pytest.mark.anyio
+async def test_await_fork_raises_input_errors(anyio_backend) -> None:
+    ens = LSTMEnsemble(1, C, 4)
+    with pytest.raises(TypeError, match="floating-point"):
+        await aiopar.fork(ens, np.ones((T, B, C), np.int32))
