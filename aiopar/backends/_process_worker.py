@@ -75,7 +75,7 @@ def _run(frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, relea
 
 def _call(frame: wire.Frame, pool: wire.SegmentPool) -> wire.Packed:
     try:
-        fn, args, kwargs = frame.loads()
+        fn, args, kwargs = wire.load_call(frame)
     except BaseException as exc:
         exc.add_note(
             "(aiopar: raised while unpickling the task in a worker process; the worker "

@@ -221,9 +221,8 @@ class ProcessBackend(Backend):
                     self._wake()  # the manager starts workers
 
     def _pack_call(self, task: Task) -> wire.Packed:
-        call = (task.fn, task.args, task.kwargs)
         try:
-            return wire.pack(call, self._segments)
+            return wire.pack_call(task.fn, task.args, task.kwargs, self._segments)
         except Exception as exc:
             culprit = _find_unpicklable(task)
             raise TypeError(
