@@ -2,7 +2,7 @@
 
 A worker runs one task at a time, in the order they arrive, and answers each
 with exactly one RESULT or ERROR frame carrying its start and end times
-(``time.monotonic_ns``, which every process on the machine shares). It exits
+(on :func:`aiopar._trace.clock`, which every process on the machine shares). It exits
 when the parent closes its end of the socket. Forks made by a task run in the
 worker on the thread backend.
 """
@@ -14,11 +14,11 @@ import pickle
 import signal
 import socket
 import sys
-import time
 import traceback
 from collections import deque
 from typing import Any
 
+from .._trace import clock
 from . import _process_wire as wire
 
 __all__ = ["main"]
@@ -37,16 +37,15 @@ def main(fd: int) -> None:
     pool = wire.SegmentPool()
     released: deque[int] = deque()  # parent segments this process no longer maps
     channel = wire.Channel(socket.socket(fileno=fd), pool.release, released.append)
-    channel.send(wire.READY, os.getpid())
     try:
+        channel.send(wire.READY, os.getpid())
         while True:
-            try:
-                frame = channel.recv()
-            except EOFError:
-                break
+            frame = channel.recv()
             if frame is not None and frame.kind == wire.TASK:
                 _run(frame, channel, pool, released)
             del frame
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone or shut the pool down
     finally:
         pool.close()
 
@@ -60,14 +59,14 @@ def _drain(released: deque[int]) -> list[int]:
 
 def _run(frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, released: deque[int]):
     msg_id = frame.msg_id
-    start = time.monotonic_ns()
+    start = clock()
     kind = wire.ERROR
     try:
         packed = _call(frame, pool)
         kind = wire.RESULT
     except BaseException as exc:
         packed = _pack_error(exc)
-    end = time.monotonic_ns()
+    end = clock()
     # Sent outside the except block, so the traceback (and the arguments it
     # keeps alive) is gone and their segments are reported released.
     channel.send(kind, msg_id, packed, released=_drain(released), t0=start, t1=end)

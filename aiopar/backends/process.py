@@ -378,7 +378,10 @@ class ProcessBackend(Backend):
             self._dispatch()
         task = job.task
         if task.record is not None:
-            task.record.remote_times = (worker.pid, frame.t0, frame.t1)
+            # Tasks run on the worker's main thread, whose tid is its pid.
+            task.record.on_remote_run(
+                frame.t0, frame.t1, worker.pid, worker.pid, f"process worker {worker.index}"
+            )
         future = task.future
         try:
             if frame.kind == wire.RESULT:

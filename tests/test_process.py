@@ -1,0 +1,498 @@
+"""The "process" backend: any callable, zero-copy numpy, crash-safe workers."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import aiopar
+from aiopar import _trace
+from aiopar.backends import process
+from aiopar.backends.process import ProcessBackend, RemoteError, RemoteTraceback
+
+# -- fixtures ----------------------------------------------------------------
+
+
+def _child_pids() -> set[int]:
+    """Live (not yet reaped) child processes of this process."""
+    me = str(os.getpid())
+    children = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # fields: state, ppid, ...
+            children.add(int(entry))
+    return children
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    """Every test leaves /dev/shm, the process table and the threads as it found them."""
+    shm_before = set(os.listdir("/dev/shm"))
+    children_before = _child_pids()
+    threads_before = set(threading.enumerate())
+    yield
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert not multiprocessing.active_children()
+    deadline = time.monotonic() + 5
+    while _child_pids() - children_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _child_pids() - children_before == set()
+    leaked = [
+        t for t in threading.enumerate() if t not in threads_before and t.name.startswith("aiopar-")
+    ]
+    for thread in leaked:
+        thread.join(timeout=5)
+    assert not [t for t in leaked if t.is_alive()]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A two-worker pool shared by the tests that do not break or stop it."""
+    backend = ProcessBackend(2)
+    # Start both workers now, so no test sees them as processes it started.
+    aiopar.wait_all([backend.fork(sleep_then, 0.2, None) for _ in range(2)])
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture
+def own_pool():
+    """A one-worker pool of the test's own (to kill, cancel or shut down)."""
+    backends = []
+
+    def make(max_workers: int = 1, **options) -> ProcessBackend:
+        backend = ProcessBackend(max_workers, **options)
+        backends.append(backend)
+        return backend
+
+    yield make
+    for backend in backends:
+        backend.shutdown(cancel_pending=True)
+
+
+# -- helpers that run in workers ---------------------------------------------
+
+
+def add(a, b=0):
+    return a + b
+
+
+def pid_and_backend():
+    return os.getpid(), aiopar.get_backend().name
+
+
+def nested_fork():
+    inner = aiopar.fork(pid_and_backend)
+    return os.getpid(), inner.wait()
+
+
+def explicit_process_fork():
+    # Even asking for the process backend inside a worker stays in the worker.
+    return aiopar.get_backend("process").fork(os.getpid).wait()
+
+
+def kill_self(sig: int = signal.SIGKILL):
+    os.kill(os.getpid(), sig)
+    time.sleep(10)
+
+
+def exit_now(code: int):
+    os._exit(code)
+
+
+def segfault():
+    ctypes.string_at(0)
+
+
+def sleep_then(seconds: float, value):
+    time.sleep(seconds)
+    return value
+
+
+def fail_deep():
+    def inner_helper():
+        raise ValueError("the task failed on purpose")
+
+    inner_helper()
+
+
+def return_lock():
+    return threading.Lock()
+
+
+class Unpicklable(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def raise_unpicklable():
+    raise Unpicklable("carries a lock")
+
+
+def double(a):
+    return a * 2
+
+
+def echo(a):
+    return a
+
+
+class Scaler:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def scale(self, x):
+        return x * self.factor
+
+    def __call__(self, x):
+        return x * self.factor
+
+
+# -- registry and basic forks ----------------------------------------------------
+
+
+def test_registered_and_forks_run_in_other_processes():
+    assert "process" in aiopar.available_backends()
+    backend = aiopar.get_backend("process")
+    assert isinstance(backend, ProcessBackend)
+    assert backend.max_workers == len(os.sched_getaffinity(0))
+    with aiopar.use_backend("process"):
+        pid = aiopar.fork(os.getpid).wait()
+    assert pid != os.getpid()
+    backend.shutdown()
+
+
+def test_any_callable(pool):
+    factor = 3
+    assert pool.fork(lambda x: x + 1, 1).wait() == 2
+    assert pool.fork(lambda x: x * factor, 2).wait() == 6  # a closure
+    assert pool.fork(add, 1, b=2).wait() == 3
+    assert pool.fork(Scaler(4).scale, 2).wait() == 8  # a bound method
+    assert pool.fork(Scaler(5), 2).wait() == 10  # a callable object
+    assert pool.fork(functools.partial(add, 10), 5).wait() == 15
+    assert pool.fork(sorted, [3, 1, 2]).wait() == [1, 2, 3]
+
+
+def test_function_defined_in_main_travels_by_value(pool):
+    namespace = {"__name__": "__main__"}
+    exec("K = 7\ndef main_fn(x):\n    return x * K\n", namespace)
+    fn = namespace["main_fn"]
+    assert fn.__module__ == "__main__"
+    assert pool.fork(fn, 6).wait() == 42
+    namespace["K"] = 8  # a rebound global is seen by the next fork
+    assert pool.fork(fn, 6).wait() == 48
+
+
+def test_workers_start_lazily_and_are_reused(own_pool):
+    backend = own_pool(2)
+    assert backend._workers == []
+    pids = {backend.fork(os.getpid).wait() for _ in range(20)}
+    assert len(pids) <= 2
+    assert os.getpid() not in pids
+
+
+def test_nested_fork_runs_in_the_worker_on_threads(pool):
+    outer_pid, (inner_pid, backend_name) = pool.fork(nested_fork).wait()
+    assert outer_pid == inner_pid != os.getpid()
+    assert backend_name == "thread"
+    assert pool.fork(explicit_process_fork).wait() != os.getpid()
+
+
+# -- numpy -------------------------------------------------------------------------
+
+
+def test_large_arrays_round_trip_through_shared_memory(pool):
+    a = np.arange(2_000_000, dtype=np.float64)  # 16 MB
+    b = pool.fork(double, a).wait()
+    np.testing.assert_array_equal(b, a * 2)
+    assert b.flags.writeable
+    b[0] = 1.0  # our own memory now
+    # Segments are reused, not piled up.
+    for _ in range(5):
+        pool.fork(echo, a).wait()
+    segments = pool._segments
+    assert len(segments._free) + len(segments._busy) <= 2
+
+
+def test_small_and_odd_arrays(pool):
+    small = np.arange(10, dtype=np.int32)
+    np.testing.assert_array_equal(pool.fork(echo, small).wait(), small)
+    strided = np.arange(200_000, dtype=np.float64)[::3]  # not contiguous: pickled in-band
+    np.testing.assert_array_equal(pool.fork(echo, strided).wait(), strided)
+    fortran = np.asfortranarray(np.arange(120_000, dtype=np.float32).reshape(300, 400))
+    out = pool.fork(echo, fortran).wait()
+    np.testing.assert_array_equal(out, fortran)
+    several = [np.full(100_000, i, dtype=np.uint8) for i in range(3)]
+    for i, arr in enumerate(pool.fork(echo, several).wait()):
+        assert arr.shape == (100_000,) and (arr == i).all()
+    assert pool.fork(bytes, bytearray(b"x" * 200_000)).wait() == b"x" * 200_000
+
+
+# -- crashes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "words"),
+    [
+        (kill_self, (), "SIGKILL"),
+        (exit_now, (3,), "exited with code 3"),
+        (segfault, (), "SIGSEGV"),
+    ],
+    ids=["sigkill", "os_exit", "segfault"],
+)
+def test_a_dying_worker_fails_only_its_task(own_pool, fn, args, words):
+    backend = own_pool(1)  # one worker: the queued tasks sit behind the dying one
+    doomed = backend.fork(fn, *args)
+    queued = [backend.fork(add, i, 1) for i in range(4)]
+    with pytest.raises(aiopar.BrokenWorkerError, match=words) as info:
+        doomed.wait(timeout=30)
+    assert fn.__name__ in str(info.value)
+    assert [f.wait(timeout=30) for f in queued] == [1, 2, 3, 4]
+    assert backend.fork(add, 1, 1).wait() == 2  # replaced
+
+
+def test_sigkill_from_outside_while_running(own_pool, tmp_path):
+    backend = own_pool(1)
+    marker = tmp_path / "pid"
+    fut = backend.fork(_write_pid_and_sleep, str(marker))
+    deadline = time.monotonic() + 30
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    with pytest.raises(aiopar.BrokenWorkerError, match="SIGKILL"):
+        fut.wait(timeout=30)
+    assert backend.fork(add, 2, 2).wait() == 4
+
+
+def _write_pid_and_sleep(path):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(30)
+
+
+def test_an_idle_worker_that_dies_is_replaced(own_pool):
+    backend = own_pool(1)
+    pid = backend.fork(os.getpid).wait()
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert backend.fork(os.getpid).wait(timeout=30) != pid
+
+
+def test_workers_that_cannot_start_fail_the_queue(own_pool, monkeypatch):
+    monkeypatch.setattr(process, "_BOOT", "import sys; sys.exit(7)")
+    backend = own_pool(1)
+    with pytest.raises(aiopar.BrokenWorkerError, match="before they were ready"):
+        backend.fork(add, 1).wait(timeout=30)
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+def test_unpicklable_argument_raises_at_fork(pool):
+    with pytest.raises(TypeError, match=r"argument 1 \(a _thread\.lock\)"):
+        pool.fork(add, 1, threading.Lock())
+    with pytest.raises(TypeError, match=r"keyword argument 'b' \(a _thread\.lock\)"):
+        pool.fork(add, 1, b=threading.Lock())
+    assert pool.fork(add, 1, 2).wait() == 3
+
+
+def test_unpicklable_result_raises_at_wait(pool):
+    with pytest.raises(TypeError, match=r"return_lock returned a _thread\.lock"):
+        pool.fork(return_lock).wait()
+    assert pool.fork(add, 1, 2).wait() == 3
+
+
+def test_remote_exception_keeps_type_and_traceback(pool):
+    with pytest.raises(ValueError, match="on purpose") as info:
+        pool.fork(fail_deep).wait()
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "inner_helper" in cause.tb and "fail_deep" in cause.tb
+    assert "_process_worker" not in cause.tb  # starts at the user's code
+
+
+def test_unpicklable_exception_has_a_stand_in(pool):
+    with pytest.raises(RemoteError, match="Unpicklable: carries a lock") as info:
+        pool.fork(raise_unpicklable).wait()
+    assert "raise_unpicklable" in info.value.__cause__.tb
+
+
+def test_task_that_cannot_be_unpickled_in_the_worker(pool):
+    namespace = {"__name__": "not_importable_anywhere"}
+    exec("def f():\n    return 1\n", namespace)
+    sys.modules["not_importable_anywhere"] = type(sys)("not_importable_anywhere")
+    try:
+        sys.modules["not_importable_anywhere"].f = namespace["f"]
+        with pytest.raises(ModuleNotFoundError) as info:
+            pool.fork(namespace["f"]).wait()
+        assert "unpickling the task in a worker" in "".join(info.value.__notes__)
+    finally:
+        del sys.modules["not_importable_anywhere"]
+
+
+# -- cancel and shutdown ---------------------------------------------------------
+
+
+def _until_running(fut):
+    deadline = time.monotonic() + 30
+    while not fut.running():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_cancel_before_sent(own_pool):
+    backend = own_pool(1, prefetch=0)
+    running = backend.fork(sleep_then, 0.5, "first")
+    queued = backend.fork(add, 1)
+    assert queued.cancel()
+    assert queued.cancelled()
+    with pytest.raises(aiopar.CancelledError):
+        queued.wait()
+    assert running.wait() == "first"
+    assert not running.cancel()
+
+
+def test_prefetched_task_is_no_longer_cancellable(own_pool):
+    backend = own_pool(1, prefetch=1)
+    running = backend.fork(sleep_then, 0.3, "first")
+    _until_running(running)
+    prefetched = backend.fork(add, 1)
+    queued = backend.fork(add, 2)
+    assert not prefetched.cancel()
+    assert queued.cancel()
+    assert running.wait() == "first" and prefetched.wait() == 1
+
+
+def test_shutdown_runs_what_was_queued(own_pool):
+    backend = own_pool(1)
+    futures = [backend.fork(sleep_then, 0.02, i) for i in range(6)]
+    backend.shutdown(wait=True)
+    assert [f.value() for f in futures] == list(range(6))
+    assert backend._workers == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        backend.fork(add, 1)
+
+
+def test_shutdown_cancel_pending(own_pool):
+    backend = own_pool(1, prefetch=0)
+    running = backend.fork(sleep_then, 0.3, "ran")
+    _until_running(running)
+    queued = [backend.fork(add, i) for i in range(5)]
+    backend.shutdown(wait=True, cancel_pending=True)
+    assert running.value() == "ran"
+    assert all(f.cancelled() for f in queued)
+
+
+def test_shutdown_without_wait_finishes_in_the_background(own_pool):
+    backend = own_pool(1)
+    futures = [backend.fork(sleep_then, 0.02, i) for i in range(3)]
+    backend.shutdown(wait=False)
+    assert [f.wait(timeout=30) for f in futures] == [0, 1, 2]
+    backend.shutdown(wait=True)  # joins the manager
+
+
+def test_shutdown_of_an_unused_backend():
+    backend = ProcessBackend(1)
+    backend.shutdown()
+    backend.shutdown()
+
+
+def test_interpreter_exit_with_pending_work(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time, aiopar
+            backend = aiopar.get_backend("process", max_workers=1)
+            futures = [backend.fork(time.sleep, 0.05) for _ in range(4)]
+            futures[-1].add_done_callback(lambda f: print("last done", flush=True))
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "last done" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+# -- the rest of the core works unchanged ------------------------------------------
+
+
+def test_then_task_group_and_as_completed(pool):
+    assert pool.fork(add, 1, 2).then(lambda f: f.value() * 10).wait() == 30
+    with aiopar.use_backend(pool), aiopar.task_group() as tg:
+        futures = [tg.fork(add, i, i) for i in range(5)]
+    assert [f.value() for f in futures] == [0, 2, 4, 6, 8]
+    done = list(aiopar.as_completed([pool.fork(sleep_then, 0.05 * i, i) for i in (3, 1, 2)]))
+    assert sorted(f.value() for f in done) == [1, 2, 3]
+    assert aiopar.wait_all([pool.fork(add, 1), pool.fork(add, 2)]) == [1, 2]
+
+
+@pytest.mark.anyio
+async def test_await_on_every_loop(pool):
+    assert await pool.fork(add, 20, 22) == 42
+    big = np.ones(100_000)
+    assert (await pool.fork(double, big)).sum() == 200_000
+    with pytest.raises(ValueError, match="on purpose"):
+        await pool.fork(fail_deep)
+    with aiopar.use_backend(pool):
+        assert await aiopar.fork(os.getpid) != os.getpid()
+
+
+def test_profiler_gets_the_worker_times(pool, monkeypatch):
+    class Record:
+        remote = None
+
+        def on_remote_run(self, start_ns, end_ns, pid, tid=None, thread_name=None):
+            self.remote = (start_ns, end_ns, pid, tid, thread_name)
+
+    records = []
+
+    class Recorder:
+        def on_fork(self, task):
+            records.append(Record())
+            return records[-1]
+
+        def on_blocked(self, *args):
+            pass
+
+    monkeypatch.setattr(_trace, "active", Recorder())
+    before = _trace.clock()
+    pool.fork(sleep_then, 0.01, None).wait()
+    after = _trace.clock()
+    monkeypatch.setattr(_trace, "active", None)
+    start, end, pid, tid, thread_name = records[0].remote
+    assert pid != os.getpid() and tid == pid
+    assert "worker" in thread_name
+    assert before <= start < end <= after
+    assert end - start >= 10_000_000
+
+
+def test_aiopar_profiler_shows_the_worker(pool):
+    from aiopar import profiler
+
+    with profiler.profile() as prof:
+        pool.fork(sleep_then, 0.01, None).wait()
+    assert "sleep_then" in str(prof.table())
