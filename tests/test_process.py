@@ -496,3 +496,12 @@ def test_aiopar_profiler_shows_the_worker(pool):
     with profiler.profile() as prof:
         pool.fork(sleep_then, 0.01, None).wait()
     assert "sleep_then" in str(prof.table())
+
+
+def test_a_done_callback_may_wait_on_another_process_task(own_pool):
+    # Callbacks run in the thread that reads results; one that blocks there
+    # must not stop the result it waits for from arriving.
+    pool = own_pool(2)
+    chained = pool.fork(add, 1, 1).then(lambda f: pool.fork(add, f.value(), 1).wait())
+    assert chained.wait(timeout=30) == 3
+    assert pool.fork(add, 2, 2).wait(timeout=30) == 4

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 from .. import _config
 from .._errors import BrokenWorkerError
 from .._future import Future
+from .._future import _local as _future_thread_state
 from . import _process_wire as wire
 from ._base import Backend, Task
 
@@ -91,6 +92,9 @@ class RemoteError(Exception):
     """Stands in for an exception raised in a worker that could not be pickled."""
 
 
+_Settle = tuple[Future[Any], tuple[Any, "BaseException | None"]]
+
+
 class _Job:
     __slots__ = ("id", "packed", "task")
 
@@ -126,6 +130,7 @@ class _Worker:
         self.pid = self.process.pid
         self.ready = False
         self.stopping = False
+        self.eof = False  # its socket has been read to the end
         self.inflight: deque[_Job] = deque()  # sent, in the order the worker runs them
         backend_ref = weakref.ref(backend)
 
@@ -183,6 +188,7 @@ class ProcessBackend(Backend):
         self._start_failures = 0
         self._segments = wire.SegmentPool()
         self._manager: threading.Thread | None = None
+        self._generation = 0  # of the manager thread in charge
         self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._unmapped: deque[tuple[_Worker, int]] = deque()
@@ -213,10 +219,7 @@ class ProcessBackend(Backend):
             self._dispatch()
             if self._pending:
                 if self._manager is None:
-                    self._manager = threading.Thread(
-                        target=self._manage, name=f"{self._name}-manager", daemon=True
-                    )
-                    self._manager.start()
+                    self._start_manager()
                 elif len(self._workers) < self._max_workers:
                     self._wake()  # the manager starts workers
 
@@ -287,23 +290,54 @@ class ProcessBackend(Backend):
         self._unmapped.append((worker, seg_id))
         self._wake()
 
-    def _manage(self) -> None:
+    def _start_manager(self) -> None:
+        # Called with the lock held.
+        self._generation += 1
+        self._manager = threading.Thread(
+            target=self._manage,
+            args=(self._generation,),
+            name=f"{self._name}-manager-{self._generation}",
+            daemon=True,
+        )
+        self._manager.start()
+
+    # Future.wait calls these in the manager thread when a done-callback run
+    # there blocks (say, on another process task): a new manager takes over,
+    # so the results that callback waits for still arrive. The blocked
+    # thread exits once its callback returns.
+    def worker_blocked(self) -> None:
+        with self._lock:
+            self._start_manager()
+
+    def worker_resumed(self) -> None:
+        pass
+
+    def _manage(self, generation: int) -> None:
+        _future_thread_state.worker = self
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         watched: set[_Worker] = set()
+        handed_off = False
         try:
-            while True:
+            while not handed_off:
                 with self._lock:
                     self._start_workers()
                     for worker in self._workers:
                         if worker not in watched:
                             watched.add(worker)
-                            selector.register(worker.channel, selectors.EVENT_READ, worker)
+                            if not worker.eof:
+                                selector.register(worker.channel, selectors.EVENT_READ, worker)
                             if worker.pidfd is not None:
                                 selector.register(worker.pidfd, selectors.EVENT_READ, worker)
                     if self._closed and not self._pending and not self._busy():
                         break
-                for key, _ in selector.select():
+                # Frames a previous manager read but left unhandled.
+                ready = [
+                    (selector.get_key(w.channel), None)
+                    for w in watched
+                    if not w.eof and w.channel.has_frame()
+                ]
+                for key, _ in ready or selector.select():
                     worker = key.data
                     if worker is None:
                         with contextlib.suppress(BlockingIOError):
@@ -311,13 +345,19 @@ class ProcessBackend(Backend):
                         self._send_releases()
                     elif worker in watched:
                         if key.fileobj is worker.channel:
-                            if not self._read(worker):
+                            self._read(worker, generation)
+                            if worker.eof and generation == self._generation:
                                 selector.unregister(worker.channel)
                         else:
                             self._worker_died(worker)
-                        if worker not in self._workers:
+                        if worker not in self._workers and generation == self._generation:
                             watched.discard(worker)
                             _unregister(selector, worker)
+                    if generation != self._generation:
+                        handed_off = True
+                        break
+            else:
+                return  # another manager carries on
             self._stop_workers()
         except BaseException:
             _logger.exception("the manager thread of %r failed; failing its tasks", self)
@@ -325,11 +365,12 @@ class ProcessBackend(Backend):
             raise
         finally:
             selector.close()
-            with self._wake_lock:
-                os.close(self._wake_r)
-                os.close(self._wake_w)
-                self._wake_r = self._wake_w = -1
-            self._segments.close()
+            if not handed_off:
+                with self._wake_lock:
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._wake_r = self._wake_w = -1
+                self._segments.close()
 
     def _busy(self) -> bool:
         return any(worker.inflight for worker in self._workers)
@@ -341,27 +382,33 @@ class ProcessBackend(Backend):
         for _ in range(max(wanted, 0)):
             self._workers.append(_Worker(self, next(self._worker_index)))
 
-    def _read(self, worker: _Worker) -> bool:
-        """Handle the frames waiting on the worker's socket; False at its end."""
+    def _read(self, worker: _Worker, generation: int) -> None:
+        """Handle the frames waiting on the worker's socket."""
         channel = worker.channel
         while True:
             try:
                 frame = channel.recv()
             except (EOFError, OSError):
-                if worker.pidfd is None:
+                with self._lock:
+                    worker.eof = True
+                    worker.stopping = True
+                    if worker in self._idle:
+                        self._idle.remove(worker)
+                if worker.pidfd is None:  # no pidfd to tell when it has exited
                     self._worker_died(worker)
-                else:  # its pidfd tells when it has exited
-                    with self._lock:
-                        worker.stopping = True
-                        if worker in self._idle:
-                            self._idle.remove(worker)
-                return False
-            if frame is not None:
-                self._on_frame(worker, frame)
-            if not channel.has_frame():
-                return True
+                return
+            settle = self._on_frame(worker, frame) if frame is not None else None
+            del frame
+            if settle is not None:
+                future, outcome = settle
+                del settle
+                future._settle(*outcome)
+            if generation != self._generation or not channel.has_frame():
+                return
 
-    def _on_frame(self, worker: _Worker, frame: wire.Frame) -> None:
+    def _on_frame(self, worker: _Worker, frame: wire.Frame) -> _Settle | None:
+        """Account for the frame; return the settling of its future, which the
+        caller does last (a done-callback may block, see worker_blocked)."""
         if frame.kind == wire.READY:
             with self._lock:
                 worker.ready = True
@@ -369,7 +416,7 @@ class ProcessBackend(Backend):
                 if not worker.stopping:
                     self._idle.append(worker)
                 self._dispatch()
-            return
+            return None
         with self._lock:
             job = worker.inflight.popleft()
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
@@ -390,8 +437,7 @@ class ProcessBackend(Backend):
                 outcome = (None, _remote_exception(frame.loads(), task.name))
         except BaseException as exc:
             outcome = (None, _unpickling_failed(exc, task.name))
-        del frame, job, task
-        future._settle(*outcome)
+        return future, outcome
 
     def _send_releases(self) -> None:
         by_worker: dict[_Worker, list[int]] = {}
@@ -408,6 +454,7 @@ class ProcessBackend(Backend):
 
     def _worker_died(self, worker: _Worker) -> None:
         # Results it sent before it died still count.
+        settles: list[_Settle] = []
         with contextlib.suppress(OSError, EOFError):
             worker.channel.sock.setblocking(False)
             while True:
@@ -415,8 +462,8 @@ class ProcessBackend(Backend):
                     frame = worker.channel.recv()
                 except BlockingIOError:
                     break
-                if frame is not None:
-                    self._on_frame(worker, frame)
+                if frame is not None and (settle := self._on_frame(worker, frame)):
+                    settles.append(settle)
         returncode = worker.process.wait()
         with self._lock:
             self._workers.remove(worker)
@@ -440,6 +487,8 @@ class ProcessBackend(Backend):
         worker.channel.close()
         if worker.pidfd is not None:
             os.close(worker.pidfd)
+        for future, outcome in settles:
+            future._settle(*outcome)
         cause = _describe_exit(returncode)
         if running is not None:
             running.packed.discard()
@@ -516,8 +565,13 @@ class ProcessBackend(Backend):
                     self._segments.close()
             return
         self._wake()
-        if wait and manager is not threading.current_thread():
-            manager.join()
+        if wait:
+            # A blocked callback may hand the manager's job to a new thread.
+            while manager is not threading.current_thread():
+                manager.join()
+                if manager is self._manager:
+                    break
+                manager = self._manager
 
 
 def _unregister(selector: selectors.BaseSelector, worker: _Worker) -> None:
