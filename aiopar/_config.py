@@ -215,34 +215,42 @@ class _ThreadBudget:
         running = len(self.tokens)
         return shares[running] if running < len(shares) else 1
 
-    def add_running(self, delta: int) -> None:
-        """``delta`` more (or fewer) tasks run now; re-budget if the count changes.
-
-        Called by pools when a worker starts or ends a task, blocks in
-        ``wait`` or resumes, and by ``parallel_for`` for its helpers. Costs a
-        few attribute look-ups unless the budgeted count changes.
-        """
+    def enter(self) -> None:
+        """A task starts running (the hot path of every pool: kept lean)."""
         tokens = self.tokens
-        if delta == 1:
-            tokens.append(None)
-        elif delta == -1:
-            tokens.pop()
-        elif delta > 0:
+        tokens.append(None)
+        if self.explicit is None:
+            shares = self.shares
+            running = len(tokens)
+            if (shares[running] if running < len(shares) else 1) != self.applied:
+                with self.lock:
+                    self._follow_budget()
+        if self.per_thread:
+            self._apply_this_thread(self.target())
+
+    def leave(self) -> None:
+        """A task stops running: it ended, or its thread blocks in ``wait``."""
+        tokens = self.tokens
+        tokens.pop()
+        if self.explicit is None:
+            shares = self.shares
+            running = len(tokens)
+            if (shares[running] if running < len(shares) else 1) != self.applied:
+                with self.lock:
+                    self._follow_budget()
+
+    def add_running(self, delta: int) -> None:
+        """``delta`` more (or fewer) tasks run now, as for ``delta`` calls of
+        :meth:`enter` (or :meth:`leave`); ``parallel_for`` counts its chunks so."""
+        tokens = self.tokens
+        if delta > 0:
             tokens.extend([None] * delta)
         else:
             for _ in range(-delta):
                 tokens.pop()
         if self.explicit is None:
-            shares = self.shares
-            running = len(tokens)
-            n = shares[running] if running < len(shares) else 1
-            if n != self.applied:
-                with self.lock:
-                    n = self._follow_budget()
-        else:
-            n = self.explicit
-        if delta > 0 and self.per_thread and getattr(self.local, "applied", None) != n:
-            self._apply_this_thread(n)
+            with self.lock:
+                self._follow_budget()
 
     def set_explicit(self, n: int | None, source: str | None) -> None:
         with self.lock:
@@ -285,7 +293,14 @@ class _ThreadBudget:
                 _logger.exception("could not set the thread count of %s", lib.filepath)
         self.applied = n
 
+    def apply_here(self) -> None:
+        """Give this thread's OpenMP libraries the current count (a no-op without them)."""
+        if self.per_thread:
+            self._apply_this_thread(self.target())
+
     def _apply_this_thread(self, n: int) -> None:
+        if getattr(self.local, "applied", None) == n:
+            return
         for lib in self.per_thread:
             try:
                 lib.set_num_threads(n)

@@ -103,6 +103,7 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
             raise
         finally:
             _config.budget.add_running(-n_chunks)
+            _config.budget.apply_here()
     finally:
         _local.active = False
     if job.error is not None:
@@ -143,6 +144,7 @@ class _Job:
 
     def work(self) -> None:
         """Run unclaimed chunks until none is left."""
+        _config.budget.apply_here()  # OpenMP limits are per thread
         bounds = self.bounds
         while True:
             with self.lock:

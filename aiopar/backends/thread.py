@@ -4,8 +4,8 @@ Workers start lazily, up to ``max_workers``. A worker that blocks in
 ``wait`` on a task another thread is running is counted out of the pool
 while it waits, and a compensating worker starts if work is queued, so
 nested fork/wait never starves the pool; surplus workers retire once the
-blocked ones come back. Workers report each task they start and end, and
-each wait they block in, to the intra-op thread budget (see ``_config``).
+blocked ones come back. Each task counts against the intra-op thread budget
+(see ``_config``) while it runs and its thread is not blocked in ``wait``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,51 @@ from ._base import Backend, Task
 __all__ = ["ThreadBackend"]
 
 _backend_ids = itertools.count(1)
+
+_enter_budget = _config.budget.enter
+_leave_budget = _config.budget.leave
+
+
+class _BudgetedTask(Task):
+    """A task of an in-process pool: it counts against the intra-op thread
+    budget while it runs, in a worker or in a waiter that runs it itself,
+    except while its thread is blocked in ``wait``. A thread counts once,
+    however deeply its tasks nest."""
+
+    __slots__ = ()
+
+    def run(self) -> None:
+        if self.future._state != PENDING:
+            return  # cancelled, or claimed by another thread
+        # "budgeted": this thread runs a task that counts already.
+        state = _future_thread_state.__dict__
+        if state.get("budgeted"):
+            Task.run(self)
+            return
+        state["budgeted"] = True
+        # A thread outside the pools (one that waits and runs the task
+        # itself) reports its blocked waits to the budget through a stand-in.
+        stand_in = state.get("worker") is None
+        if stand_in:
+            state["worker"] = _waiter
+        _enter_budget()
+        try:
+            Task.run(self)
+        finally:
+            state["budgeted"] = False
+            if stand_in:
+                state["worker"] = None
+            _leave_budget()
+
+
+class _BudgetOnly:
+    """What Future.wait tells when a thread outside the pools blocks in a task."""
+
+    worker_blocked = staticmethod(_leave_budget)
+    worker_resumed = staticmethod(_enter_budget)
+
+
+_waiter = _BudgetOnly()
 
 
 class ThreadBackend(Backend):
@@ -57,6 +102,7 @@ class ThreadBackend(Backend):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+            task.__class__ = _BudgetedTask
             self._queue.put(task)
             if len(self._threads) - self._blocked < (self._max_workers or _config.interop_threads):
                 self._start_worker()
@@ -74,19 +120,11 @@ class ThreadBackend(Backend):
     def _work(self) -> None:
         _future_thread_state.worker = self
         tasks = self._queue
-        add_running = _config.budget.add_running
         while True:
             task = tasks.get()
             if task is None:
                 break
-            # A task a waiter ran itself, or one cancelled, is skipped
-            # without touching the thread budget.
-            if task.future._state == PENDING:
-                add_running(1)
-                try:
-                    task.run()
-                finally:
-                    add_running(-1)
+            task.run()
             del task
             if len(self._threads) - self._blocked > self.max_workers and self._retire():
                 return
@@ -103,7 +141,7 @@ class ThreadBackend(Backend):
     # Called by Future.wait in a worker thread of this pool. A blocked worker
     # also leaves its share of the thread budget to the tasks still running.
     def worker_blocked(self) -> None:
-        _config.budget.add_running(-1)
+        _leave_budget()
         with self._lock:
             self._blocked += 1
             if not self._queue.empty() and len(self._threads) - self._blocked < self.max_workers:
@@ -112,7 +150,7 @@ class ThreadBackend(Backend):
     def worker_resumed(self) -> None:
         with self._lock:
             self._blocked -= 1
-        _config.budget.add_running(1)
+        _enter_budget()
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
         with self._lock:

@@ -1,0 +1,186 @@
+"""Thread counts: set/get_num_threads, the budget seen through threadpoolctl, parallel_info."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+import aiopar
+from aiopar._config import budget, cores
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def blas_threads() -> list[int]:
+    """The thread count of every BLAS library threadpoolctl sees."""
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+def seen() -> tuple[int, list[int]]:
+    return aiopar.get_num_threads(), blas_threads()
+
+
+@pytest.fixture(autouse=True)
+def default_threads():
+    """Each test starts from, and leaves, the automatic budget on all cores."""
+    explicit, source = budget.explicit, budget.explicit_from
+    aiopar.set_num_threads(None)
+    aiopar.set_num_interop_threads(cores())
+    yield
+    aiopar.set_num_interop_threads(cores())
+    aiopar.set_num_threads(None)
+    budget.set_explicit(explicit, source)
+
+
+def settle(timeout: float = 5.0) -> None:
+    """Wait until no task counts against the budget (workers finish after futures settle)."""
+    deadline = time.monotonic() + timeout
+    while budget.running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert budget.running == 0
+
+
+def run_together(k: int, fn):
+    """Fork ``k`` tasks that run ``fn`` at the same moment; their values in order."""
+    aiopar.set_num_interop_threads(k)
+    barrier = threading.Barrier(k, timeout=10)
+
+    def task():
+        barrier.wait()
+        value = fn()
+        barrier.wait()
+        return value
+
+    values = aiopar.wait_all([aiopar.fork(task) for _ in range(k)])
+    settle()
+    return values
+
+
+def test_idle_process_uses_every_core():
+    assert blas_threads(), "numpy's BLAS should be visible to threadpoolctl"
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_a_single_task_gets_every_core():
+    assert aiopar.fork(seen).wait() == seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_concurrent_tasks_share_the_cores(k):
+    share = max(1, cores() // k)
+    values = run_together(k, seen)
+    assert values == [(share, [share] * len(blas_threads()))] * k
+    assert seen() == (cores(), [cores()] * len(blas_threads())), "restored once idle"
+
+
+def test_a_task_that_waits_for_its_own_fork_counts_once():
+    def outer():
+        return aiopar.fork(seen).wait()  # runs in this thread: still one task running
+
+    assert aiopar.fork(outer).wait() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_a_worker_blocked_in_wait_gives_its_share_back():
+    aiopar.set_num_interop_threads(2)
+    inner_started = threading.Event()
+
+    def inner():
+        inner_started.set()
+        deadline = time.monotonic() + 5
+        while budget.running > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the outer task blocks in wait
+        return seen()
+
+    def outer():
+        fut = aiopar.fork(inner)
+        assert inner_started.wait(5)
+        return fut.wait()
+
+    assert aiopar.fork(outer).wait() == (cores(), [cores()] * len(blas_threads()))
+    settle()
+
+
+def test_budget_is_restored_after_tasks_raise():
+    def fail():
+        raise ValueError("task failed")
+
+    with pytest.raises(ValueError, match="task failed"):
+        run_together(2, fail)
+    settle()
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_explicit_count_is_kept_exactly_inside_and_outside_forks():
+    aiopar.set_num_threads(1)
+    assert seen() == (1, [1] * len(blas_threads()))
+    assert aiopar.fork(seen).wait() == (1, [1] * len(blas_threads()))
+
+    aiopar.set_num_threads(3)  # more than a share, even more than the cores: as asked
+    assert run_together(2, seen) == [(3, [3] * len(blas_threads()))] * 2
+    assert seen() == (3, [3] * len(blas_threads()))
+
+
+def test_set_num_threads_none_returns_to_the_budget():
+    aiopar.set_num_threads(1)
+    aiopar.set_num_threads(None)
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+    share = max(1, cores() // 2)
+    assert run_together(2, seen) == [(share, [share] * len(blas_threads()))] * 2
+
+
+def test_threadpoolctl_still_works_for_the_user_after_the_budget_changed():
+    # threadpoolctl lets one "controlling" thread limit OpenBLAS; the budget
+    # changes from worker threads must not keep that role.
+    run_together(2, seen)
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert blas_threads() == [1] * len(blas_threads())
+    assert blas_threads() == [cores()] * len(blas_threads())
+
+
+def test_interop_setting_is_followed_by_a_running_backend():
+    backend = aiopar.get_backend()
+    aiopar.set_num_interop_threads(3)
+    assert aiopar.get_num_interop_threads() == backend.max_workers == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_bad_thread_counts_are_refused(bad):
+    with pytest.raises(ValueError, match=r"set_num_threads\(n\): n .*whole number >= 1"):
+        aiopar.set_num_threads(bad)
+    with pytest.raises(ValueError, match=r"set_num_interop_threads\(n\): n must be"):
+        aiopar.set_num_interop_threads(bad)
+    assert seen()[0] == cores()
+
+
+def test_parallel_info_reports_the_settings():
+    info = aiopar.parallel_info()
+    assert "openmp" in info.split("backends:")[1].splitlines()[0]
+    assert f"intra-op threads: {cores()} (budget" in info
+    assert "openblas" in info  # numpy's BLAS, found by threadpoolctl
+    assert "OMP_NUM_THREADS=" in info and "OPENBLAS_NUM_THREADS=" in info
+    assert "WARNING" not in info
+
+
+def test_parallel_info_warns_when_settings_oversubscribe():
+    aiopar.set_num_interop_threads(cores() + 1)
+    aiopar.set_num_threads(2)
+    info = aiopar.parallel_info()
+    assert "intra-op threads: 2 (set by set_num_threads" in info
+    assert f"WARNING: {cores() + 1} interop workers x 2 intra-op threads" in info
+
+
+def test_omp_num_threads_at_import_is_an_explicit_setting():
+    code = "import aiopar; print(aiopar.get_num_threads()); print(aiopar.parallel_info())"
+    env = {**os.environ, "OMP_NUM_THREADS": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines()[0] == "3"
+    assert "set by OMP_NUM_THREADS" in out
