@@ -1,0 +1,277 @@
+"""Per-task cost of fork/wait, then() and await, each against its anchor in the same run.
+
+Every row times aiopar and its anchor alternately, several rounds each, and
+keeps the best round of each: on a shared, noisy machine the minimum is the
+most repeatable estimate of what the code itself costs.
+
+    python benchmarks/overhead.py [--rounds 5] [--scale 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+import aiopar
+
+
+def noop() -> None:
+    pass
+
+
+def best_per_task(run: Callable[[], None], tasks: int, rounds: int) -> float:
+    """Seconds per task: the best of ``rounds`` timed calls of ``run``."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        best = min(best, (time.perf_counter() - start) / tasks)
+    return best
+
+
+def paired(
+    ours: Callable[[], None], anchor: Callable[[], None], tasks: int, rounds: int
+) -> tuple[float, float]:
+    """Time both alternately so drift on the machine hits both alike."""
+    ours(), anchor()  # warm up: threads started, caches filled
+    best_ours = best_anchor = float("inf")
+    for _ in range(rounds):
+        best_ours = min(best_ours, best_per_task(ours, tasks, 1))
+        best_anchor = min(best_anchor, best_per_task(anchor, tasks, 1))
+    return best_ours, best_anchor
+
+
+def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
+    executor = concurrent.futures.ThreadPoolExecutor(workers)
+    backend = aiopar.get_backend("thread", max_workers=workers)
+    rows = []
+
+    n = int(20_000 * scale)
+
+    def fork_wait() -> None:
+        fork = backend.fork
+        for _ in range(n):
+            fork(noop).wait()
+
+    def submit_result() -> None:
+        submit = executor.submit
+        for _ in range(n):
+            submit(noop).result()
+
+    rows.append(
+        (
+            "sequential wait(fork(noop))",
+            "executor submit().result()",
+            *paired(fork_wait, submit_result, n, rounds),
+        )
+    )
+
+    batch = 10_000
+
+    def fork_batch() -> None:
+        aiopar.wait_all([backend.fork(noop) for _ in range(batch)])
+
+    def submit_batch() -> None:
+        for fut in [executor.submit(noop) for _ in range(batch)]:
+            fut.result()
+
+    rows.append(
+        (
+            "fork 10,000 then wait all",
+            "executor: submit 10,000, result each",
+            *paired(fork_batch, submit_batch, batch, rounds),
+        )
+    )
+
+    # concurrent.futures runs a chain's callbacks recursively, so its chains
+    # must stay short: both sides build many chains of 200 links.
+    chain, chains = 200, max(1, int(250 * scale))
+    links = chain * chains
+
+    def then_chain() -> None:
+        for _ in range(chains):
+            root: aiopar.Future[int] = aiopar.Future()
+            tail = root
+            for _ in range(chain):
+                tail = tail.then(_next_value)
+            root.set_result(0)
+            tail.wait()
+
+    def done_callback_chain() -> None:
+        for _ in range(chains):
+            root: concurrent.futures.Future[int] = concurrent.futures.Future()
+            tail = root
+            for _ in range(chain):
+                nxt: concurrent.futures.Future[int] = concurrent.futures.Future()
+                tail.add_done_callback(lambda f, nxt=nxt: nxt.set_result(f.result() + 1))
+                tail = nxt
+            root.set_result(0)
+            tail.result()
+
+    rows.append(
+        (
+            "then() per link",
+            "concurrent.futures done-callback per link",
+            *paired(then_chain, done_callback_chain, links, rounds),
+        )
+    )
+    executor.shutdown()
+    return rows
+
+
+def _next_value(fut: aiopar.Future[int]) -> int:
+    return fut.value() + 1
+
+
+def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
+    backend = aiopar.get_backend("thread", max_workers=workers)
+    loops: list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]] = [
+        ("asyncio", asyncio.new_event_loop)
+    ]
+    try:
+        import uvloop
+
+        loops.append(("uvloop", uvloop.new_event_loop))
+    except ImportError:
+        pass
+    n = int(5_000 * scale)
+    gathered = 2_000
+    rows = []
+    for loop_name, new_loop in loops:
+        loop = new_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers))
+
+        async def await_forks() -> None:
+            for _ in range(n):
+                await backend.fork(noop)
+
+        async def await_to_thread() -> None:
+            for _ in range(n):
+                await asyncio.to_thread(noop)
+
+        async def gather_forks() -> None:
+            await asyncio.gather(*[backend.fork(noop) for _ in range(gathered)])
+
+        async def gather_to_thread() -> None:
+            await asyncio.gather(*[asyncio.to_thread(noop) for _ in range(gathered)])
+
+        rows.append(
+            (
+                f"sequential await fork(noop) [{loop_name}]",
+                "await asyncio.to_thread(noop)",
+                *paired(
+                    lambda c=await_forks: loop.run_until_complete(c()),
+                    lambda c=await_to_thread: loop.run_until_complete(c()),
+                    n,
+                    rounds,
+                ),
+            )
+        )
+        rows.append(
+            (
+                f"gather of 2,000 forks [{loop_name}]",
+                "gather of 2,000 to_thread",
+                *paired(
+                    lambda c=gather_forks: loop.run_until_complete(c()),
+                    lambda c=gather_to_thread: loop.run_until_complete(c()),
+                    gathered,
+                    rounds,
+                ),
+            )
+        )
+        loop.close()
+    return rows
+
+
+def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
+    """TorchScript's own fork/wait, for reference, when torch is installed."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    with contextlib.suppress(RuntimeError):  # allowed once, before any parallel work
+        torch.set_num_interop_threads(workers)
+
+    @torch.jit.script
+    def identity(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.script
+    def sequential(x: torch.Tensor, n: int) -> torch.Tensor:
+        for _ in range(n):
+            x = torch.jit.wait(torch.jit.fork(identity, x))
+        return x
+
+    @torch.jit.script
+    def batched(x: torch.Tensor, n: int) -> torch.Tensor:
+        futures = [torch.jit.fork(identity, x) for _ in range(n)]
+        for fut in futures:
+            x = torch.jit.wait(fut)
+        return x
+
+    x = torch.zeros(1)
+    backend = aiopar.get_backend("thread", max_workers=workers)
+    n = int(20_000 * scale)
+    batch = 10_000
+
+    def ours_sequential() -> None:
+        fork = backend.fork
+        for _ in range(n):
+            fork(noop).wait()
+
+    def ours_batched() -> None:
+        aiopar.wait_all([backend.fork(noop) for _ in range(batch)])
+
+    return [
+        (
+            "sequential wait(fork(noop))",
+            "torch.jit.fork+wait, scripted",
+            *paired(ours_sequential, lambda: sequential(x, n), n, rounds),
+        ),
+        (
+            "fork 10,000 then wait all",
+            "torch.jit.fork 10,000 then wait, scripted",
+            *paired(ours_batched, lambda: batched(x, batch), batch, rounds),
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per row (best kept)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the task counts")
+    parser.add_argument("--workers", type=int, default=2, help="pool size for both sides")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.scale <= 0 or args.workers < 1:
+        parser.error("--rounds and --workers must be >= 1 and --scale > 0")
+
+    rows = sync_rows(args.scale, args.rounds, args.workers)
+    rows += async_rows(args.scale, args.rounds, args.workers)
+    rows += torch_rows(args.scale, args.rounds, args.workers)
+
+    table = Table(title=f"aiopar overhead per task ({args.workers} workers, best of {args.rounds})")
+    table.add_column("aiopar")
+    table.add_column("µs", justify="right")
+    table.add_column("anchor")
+    table.add_column("µs", justify="right")
+    table.add_column("anchor / aiopar", justify="right")
+    for ours_name, anchor_name, ours, anchor in rows:
+        table.add_row(
+            ours_name,
+            f"{ours * 1e6:.2f}",
+            anchor_name,
+            f"{anchor * 1e6:.2f}",
+            f"{anchor / ours:.2f}x",
+        )
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()

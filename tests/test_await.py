@@ -1,0 +1,224 @@
+"""await on asyncio, uvloop and trio (every test runs on all three)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import warnings
+
+import anyio
+import pytest
+
+import aiopar
+from aiopar import CancelledError, Future
+
+pytestmark = pytest.mark.anyio
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+async def test_await_fork():
+    assert await aiopar.fork(square, 7) == 49
+
+
+async def test_await_done_future_does_not_suspend():
+    fut: Future[int] = Future()
+    fut.set_result(1)
+    assert await fut == 1
+
+
+async def test_await_user_future_settled_from_another_thread():
+    fut: Future[str] = Future()
+    threading.Timer(0.02, fut.set_result, args=("hello",)).start()
+    assert await fut == "hello"
+
+
+async def test_many_concurrent_awaits():
+    results = []
+
+    async def one(i):
+        results.append(await aiopar.fork(square, i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+    assert sorted(results) == sorted(i * i for i in range(200))
+
+
+async def test_exception_reaches_await_with_traceback():
+    def worker_failure():
+        raise ArithmeticError("raised in the worker")
+
+    with pytest.raises(ArithmeticError, match="raised in the worker") as info:
+        await aiopar.fork(worker_failure)
+    assert "worker_failure" in "".join(traceback.format_exception(info.value))
+
+
+async def test_await_cancelled_future_raises_cancelled_error():
+    fut: Future[int] = Future()
+    fut.cancel()
+    with pytest.raises(CancelledError):
+        await fut
+
+
+async def test_cancelling_the_awaiting_task_cancels_an_unstarted_fork():
+    gate = threading.Event()
+    ran = []
+    backend = aiopar.get_backend("thread", max_workers=1)
+    busy = backend.fork(gate.wait, 5)
+    queued = backend.fork(ran.append, 1)
+    with anyio.move_on_after(0.05):
+        await queued
+    assert queued.cancelled()
+    gate.set()
+    await busy
+    await backend.fork(lambda: None)
+    assert ran == []
+
+
+async def test_cancelling_the_awaiting_task_leaves_a_running_fork_alone():
+    started = threading.Event()
+    gate = threading.Event()
+
+    def task():
+        started.set()
+        gate.wait(5)
+        return "finished"
+
+    fut = aiopar.fork(task)
+    while not started.is_set():
+        await anyio.sleep(0.001)
+    with anyio.move_on_after(0.02):
+        await fut
+    assert not fut.cancelled()
+    gate.set()
+    assert await fut == "finished"
+
+
+async def test_fork_coroutine_function_runs_on_the_running_loop():
+    loop_thread = threading.get_ident()
+
+    async def where():
+        await anyio.sleep(0)
+        return threading.get_ident()
+
+    assert await aiopar.fork(where) == loop_thread
+
+
+async def test_forked_coroutine_failure_and_blocking_wait_from_another_thread():
+    async def fails():
+        await anyio.sleep(0)
+        raise KeyError("coro")
+
+    fut = aiopar.fork(fails)
+    with pytest.raises(KeyError):
+        await fut
+
+    # The same kind of future is waitable from a plain thread.
+    async def value():
+        return 5
+
+    fut2 = aiopar.fork(value)
+    assert await anyio.to_thread.run_sync(fut2.wait) == 5
+
+
+async def test_use_backend_holds_across_await_and_in_forked_tasks():
+    with aiopar.use_backend("inline"):
+        await anyio.sleep(0)
+        assert aiopar.get_backend().name == "inline"
+
+        def inner_backend():
+            return aiopar.get_backend().name
+
+        assert await aiopar.get_backend("thread").fork(inner_backend) == "inline"
+    assert aiopar.get_backend().name == "thread"
+
+
+async def test_as_completed_async():
+    gates = [threading.Event() for _ in range(3)]
+    backend = aiopar.get_backend("thread", max_workers=3)
+    futs = [backend.fork(lambda g=g, i=i: (g.wait(5), i)[1]) for i, g in enumerate(gates)]
+    order = []
+    gates[1].set()
+    async for fut in aiopar.as_completed(futs):
+        order.append(fut.value())
+        if len(order) == 1:
+            gates[2].set()
+        elif len(order) == 2:
+            gates[0].set()
+    assert order == [1, 2, 0]
+
+
+async def test_as_completed_async_timeout():
+    with pytest.raises(TimeoutError):
+        async for _ in aiopar.as_completed([Future()], timeout=0.05):
+            pass
+
+
+async def test_async_task_group():
+    async def coro(x):
+        await anyio.sleep(0)
+        return x
+
+    async with aiopar.task_group() as tg:
+        a = tg.fork(square, 3)
+        b = tg.fork(coro, 4)
+    assert (a.value(), b.value()) == (9, 4)
+
+
+async def test_async_task_group_failure():
+    def fail():
+        raise ValueError("in group")
+
+    with pytest.raises(ValueError, match="in group"):
+        async with aiopar.task_group() as tg:
+            tg.fork(fail)
+            tg.fork(square, 2)
+
+
+async def test_wrap_awaitable_on_running_loop():
+    async def coro():
+        await anyio.sleep(0)
+        return "wrapped"
+
+    assert await aiopar.wrap(coro()) == "wrapped"
+
+
+async def test_blocking_wait_on_the_loop_thread_warns_once(monkeypatch):
+    from aiopar import _future
+
+    monkeypatch.setattr(_future, "_warned_blocking_loop", False)
+    fut = aiopar.fork(time.sleep, 0.01)
+    time.sleep(0.005)  # let a worker start it, so wait() has to block
+    with pytest.warns(RuntimeWarning, match="blocking the thread of a running event loop"):
+        fut.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        aiopar.fork(time.sleep, 0.01).wait()  # no second warning
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_asyncio_interop_gather_wait_for_shield():
+    import asyncio
+
+    assert await asyncio.gather(aiopar.fork(square, 2), aiopar.fork(square, 3)) == [4, 9]
+    assert await asyncio.wait_for(aiopar.fork(square, 4), timeout=5) == 16
+    assert await asyncio.shield(aiopar.fork(square, 5)) == 25
+    never: Future[int] = Future()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(never, timeout=0.02)
+    assert never.cancelled()  # wait_for cancels what it gave up on
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_wrap_asyncio_future():
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    source = loop.create_future()
+    adopted = aiopar.wrap(source)
+    loop.call_later(0.01, source.set_result, "via asyncio")
+    assert await adopted == "via asyncio"

@@ -1,0 +1,226 @@
+"""The registry, backend selection, and the lifecycle of the thread backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from importlib.metadata import EntryPoint
+
+import pytest
+
+import aiopar
+from aiopar.backends import Backend, Task
+from aiopar.backends.thread import ThreadBackend
+
+
+def test_builtins_are_available():
+    names = aiopar.available_backends()
+    assert names[:2] == ["inline", "thread"]
+
+
+def test_default_backend_is_thread():
+    assert aiopar.get_backend().name == "thread"
+
+
+def test_get_backend_caches_per_name_and_options():
+    assert aiopar.get_backend("thread") is aiopar.get_backend("thread")
+    three = aiopar.get_backend("thread", max_workers=3)
+    assert three is aiopar.get_backend("thread", max_workers=3)
+    assert three is not aiopar.get_backend("thread")
+    assert three.max_workers == 3
+
+
+def test_unknown_backend_lists_the_available_ones():
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'nope'; available backends: inline, thread"
+    ):
+        aiopar.set_backend("nope")
+    with pytest.raises(ValueError, match="available backends"):
+        aiopar.get_backend("nope")
+    with pytest.raises(ValueError, match="available backends"), aiopar.use_backend("nope"):
+        pass
+
+
+def test_bad_backend_arguments():
+    with pytest.raises(TypeError, match="backend name or a Backend instance"):
+        aiopar.set_backend(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="options go with a backend name"):
+        aiopar.get_backend(max_workers=2)
+    with pytest.raises(TypeError, match="options go with a backend name"):
+        aiopar.set_backend(aiopar.get_backend("inline"), max_workers=2)
+    with pytest.raises(ValueError, match="max_workers must be a whole number >= 1"):
+        aiopar.get_backend("thread", max_workers=0)
+    with pytest.raises(TypeError, match="hashable"):
+        aiopar.get_backend("thread", max_workers=[1])
+
+
+def test_set_backend_changes_the_process_default():
+    try:
+        aiopar.set_backend("inline")
+        assert aiopar.fork(threading.get_ident).wait() == threading.get_ident()
+        assert aiopar.get_backend().name == "inline"
+    finally:
+        aiopar.set_backend("thread")
+
+
+def test_use_backend_is_scoped_and_accepts_instances():
+    mine = ThreadBackend(max_workers=1)
+    with mine, aiopar.use_backend(mine) as chosen:
+        assert chosen is mine
+        assert aiopar.get_backend() is mine
+        assert (
+            aiopar.fork(lambda: threading.current_thread().name).wait().startswith("aiopar-thread")
+        )
+    assert aiopar.get_backend() is not mine
+
+
+def test_use_backend_does_not_leak_into_other_threads():
+    seen = []
+    with aiopar.use_backend("inline"):
+        t = threading.Thread(target=lambda: seen.append(aiopar.get_backend().name))
+        t.start()
+        t.join()
+    assert seen == ["thread"]
+
+
+def test_backend_fork_goes_to_that_backend_only():
+    inline = aiopar.get_backend("inline")
+    assert inline.fork(threading.get_ident).wait() == threading.get_ident()
+
+
+class _CountingBackend(Backend):
+    """A minimal plugin: runs tasks inline and counts them."""
+
+    name = "counting"
+
+    def __init__(self, start: int = 0) -> None:
+        super().__init__()
+        self.count = start
+
+    @property
+    def max_workers(self) -> int:
+        return 1
+
+    def submit(self, task: Task) -> None:
+        self.count += 1
+        task.run()
+
+    def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        self._closed = True
+
+
+def test_plugin_backends_come_from_entry_points(monkeypatch):
+    from aiopar import backends
+
+    entry_point = EntryPoint(
+        name="counting", value=f"{__name__}:_CountingBackend", group=backends.ENTRY_POINT_GROUP
+    )
+    monkeypatch.setattr(backends, "_plugins", {"counting": entry_point})
+    assert "counting" in aiopar.available_backends()
+    with aiopar.use_backend("counting", start=10) as plugin:
+        assert aiopar.fork(lambda: 5).wait() == 5
+    assert plugin.count == 11
+
+
+def test_shutdown_wait_runs_what_was_queued_and_stops_threads():
+    before = set(threading.enumerate())
+    backend = ThreadBackend(max_workers=2)
+    results = []
+    futs = [backend.fork(lambda i=i: (time.sleep(0.005), results.append(i))) for i in range(20)]
+    backend.shutdown(wait=True)
+    assert all(f.done() and not f.cancelled() for f in futs)
+    assert sorted(results) == list(range(20))
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("aiopar-")]
+    with pytest.raises(RuntimeError, match="shut down"):
+        backend.fork(len, [])
+    backend.shutdown()  # a second shutdown does nothing
+
+
+def test_shutdown_cancel_pending():
+    backend = ThreadBackend(max_workers=1)
+    gate = threading.Event()
+    running = backend.fork(gate.wait, 5)
+    queued = [backend.fork(lambda: "x") for _ in range(5)]
+    time.sleep(0.01)
+    threading.Timer(0.05, gate.set).start()
+    backend.shutdown(wait=True, cancel_pending=True)
+    assert running.value() is True
+    assert all(f.cancelled() for f in queued)
+
+
+def test_shut_down_default_backend_is_replaced():
+    default = aiopar.get_backend()
+    default.shutdown()
+    try:
+        assert aiopar.fork(lambda: 1).wait() == 1
+        assert aiopar.get_backend() is not default
+    finally:
+        aiopar.set_backend("thread")
+
+
+def test_interop_threads_follow_set_num_interop_threads():
+    old = aiopar.get_num_interop_threads()
+    backend = ThreadBackend()
+    try:
+        aiopar.set_num_interop_threads(3)
+        assert backend.max_workers == 3
+        with pytest.raises(ValueError, match="whole number >= 1"):
+            aiopar.set_num_interop_threads(0)
+    finally:
+        aiopar.set_num_interop_threads(old)
+        backend.shutdown()
+
+
+def _run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_exit_with_pending_work_does_not_hang():
+    started = time.monotonic()
+    proc = _run_script(
+        """
+        import time, aiopar
+        futs = [aiopar.fork(time.sleep, 0.5) for _ in range(10)]
+        print("forked", flush=True)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "forked" in proc.stdout
+    assert time.monotonic() - started < 15
+
+
+def test_exit_runs_queued_work():
+    proc = _run_script(
+        """
+        import time, aiopar
+        def write(i):
+            time.sleep(0.01)
+            print("ran", i, flush=True)
+        for i in range(6):
+            aiopar.fork(write, i)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sum(line.startswith("ran") for line in proc.stdout.splitlines()) == 6
+
+
+def test_exit_with_a_coroutine_pending_on_the_owned_loop():
+    proc = _run_script(
+        """
+        import asyncio, aiopar
+        async def forever():
+            await asyncio.sleep(3600)
+        aiopar.fork(forever)
+        print("bye", flush=True)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "bye" in proc.stdout
