@@ -13,8 +13,10 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -143,51 +145,48 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
         pass
     n = int(5_000 * scale)
     gathered = 2_000
+
+    async def await_forks() -> None:
+        for _ in range(n):
+            await backend.fork(noop)
+
+    async def await_to_thread() -> None:
+        for _ in range(n):
+            await asyncio.to_thread(noop)
+
+    async def gather_forks() -> None:
+        await asyncio.gather(*[backend.fork(noop) for _ in range(gathered)])
+
+    async def gather_to_thread() -> None:
+        await asyncio.gather(*[asyncio.to_thread(noop) for _ in range(gathered)])
+
     rows = []
     for loop_name, new_loop in loops:
         loop = new_loop()
         loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers))
-
-        async def await_forks() -> None:
-            for _ in range(n):
-                await backend.fork(noop)
-
-        async def await_to_thread() -> None:
-            for _ in range(n):
-                await asyncio.to_thread(noop)
-
-        async def gather_forks() -> None:
-            await asyncio.gather(*[backend.fork(noop) for _ in range(gathered)])
-
-        async def gather_to_thread() -> None:
-            await asyncio.gather(*[asyncio.to_thread(noop) for _ in range(gathered)])
-
+        on_loop = functools.partial(_run_on, loop)
         rows.append(
             (
                 f"sequential await fork(noop) [{loop_name}]",
                 "await asyncio.to_thread(noop)",
-                *paired(
-                    lambda c=await_forks: loop.run_until_complete(c()),
-                    lambda c=await_to_thread: loop.run_until_complete(c()),
-                    n,
-                    rounds,
-                ),
+                *paired(on_loop(await_forks), on_loop(await_to_thread), n, rounds),
             )
         )
         rows.append(
             (
                 f"gather of 2,000 forks [{loop_name}]",
                 "gather of 2,000 to_thread",
-                *paired(
-                    lambda c=gather_forks: loop.run_until_complete(c()),
-                    lambda c=gather_to_thread: loop.run_until_complete(c()),
-                    gathered,
-                    rounds,
-                ),
+                *paired(on_loop(gather_forks), on_loop(gather_to_thread), gathered, rounds),
             )
         )
         loop.close()
     return rows
+
+
+def _run_on(
+    loop: asyncio.AbstractEventLoop, coroutine_function: Callable[[], Any]
+) -> Callable[[], None]:
+    return lambda: loop.run_until_complete(coroutine_function())
 
 
 def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
