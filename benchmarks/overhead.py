@@ -167,14 +167,14 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
         on_loop = functools.partial(_run_on, loop)
         rows.append(
             (
-                f"sequential await fork(noop) [{loop_name}]",
+                f"sequential await fork(noop) ({loop_name})",
                 "await asyncio.to_thread(noop)",
                 *paired(on_loop(await_forks), on_loop(await_to_thread), n, rounds),
             )
         )
         rows.append(
             (
-                f"gather of 2,000 forks [{loop_name}]",
+                f"gather of 2,000 forks ({loop_name})",
                 "gather of 2,000 to_thread",
                 *paired(on_loop(gather_forks), on_loop(gather_to_thread), gathered, rounds),
             )
