@@ -296,26 +296,30 @@ class Profile:
         return sorted(stats, key=_SORT_KEYS[sort_by])
 
     def rich_table(self, sort_by: str = "total", row_limit: int | None = None) -> Any:
-        """The table of :meth:`stats` as a :class:`rich.table.Table`, for ``console.print``."""
+        """The table of :meth:`stats` as a :class:`rich.table.Table`, for ``console.print``.
+
+        "queue" is the mean time from fork to start, "blocked" the time the
+        tasks spent blocked in ``wait``.
+        """
+        from rich import box
         from rich.table import Table
 
         stats = self.stats(sort_by)
         shown = stats if row_limit is None else stats[:row_limit]
-        table = Table(title="aiopar profile", title_justify="left")
-        table.add_column("task")
-        table.add_column("backend")
-        for header in ("count", "total", "mean", "max", "queue mean", "queue max", "blocked"):
-            table.add_column(header, justify="right")
+        times = [(s.total, s.mean, s.max, s.queue_mean, s.queue_max, s.blocked) for s in shown]
+        unit, scale = _unit(max((max(t) for t in times), default=0.0))
+        table = Table(title="aiopar profile", title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("task", no_wrap=True)
+        table.add_column("backend", no_wrap=True)
+        table.add_column("count", justify="right")
+        for header in ("total", "mean", "max", "queue", "queue max", "blocked"):
+            table.add_column(f"{header} ({unit})", justify="right")
         unfinished = any(s.unfinished for s in stats)
         if unfinished:
             table.add_column("unfinished", justify="right")
-        for s in shown:
-            cells = [
-                s.name,
-                ",".join(s.backends),
-                str(s.count),
-                *(_fmt(t) for t in (s.total, s.mean, s.max, s.queue_mean, s.queue_max, s.blocked)),
-            ]
+        for s, row_times in zip(shown, times, strict=True):
+            cells = [s.name, ",".join(s.backends), str(s.count)]
+            cells += [f"{t * scale:.3g}" if t else "0" for t in row_times]
             if unfinished:
                 cells.append(str(s.unfinished))
             table.add_row(*cells)
@@ -516,6 +520,15 @@ def _metadata(rows: dict[tuple[int, int], str]) -> Iterable[dict[str, Any]]:
             "tid": tid,
             "args": {"sort_index": index},
         }
+
+
+def _unit(seconds: float) -> tuple[str, float]:
+    """A unit that shows ``seconds`` in at most four digits, and its scale from seconds."""
+    if seconds < 1e-3:
+        return "µs", 1e6
+    if seconds < 1:
+        return "ms", 1e3
+    return "s", 1.0
 
 
 def _fmt(seconds: float) -> str:

@@ -1,0 +1,5 @@
+"""``python -m aiopar``: the ``aiopar`` command."""
+
+from .cli import main
+
+raise SystemExit(main())
