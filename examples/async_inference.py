@@ -30,7 +30,7 @@ async def heartbeat(lags: list[float], stop: asyncio.Event) -> None:
     while not stop.is_set():
         before = loop.time()
         await asyncio.sleep(HEARTBEAT)
-        lags.append(loop.time() - before - HEARTBEAT)
+        lags.append(max(0.0, loop.time() - before - HEARTBEAT))
 
 
 async def serve(ens: LSTMEnsemble, requests: list[np.ndarray]) -> tuple[float, list[float]]:
