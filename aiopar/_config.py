@@ -174,9 +174,11 @@ class _ThreadBudget:
     """The intra-op thread count and the libraries it is applied to.
 
     The count is explicit (``set_num_threads``, or a thread-count environment
-    variable at import) or budgeted: ``cores // k`` while k tasks run at once
-    on in-process pools (a worker blocked in ``wait`` does not count), never
-    below 1, and all the cores when at most one runs.
+    variable at import) or budgeted: ``cores // k`` while k tasks run at once,
+    never below 1, and all the cores when at most one runs. A thread-pool
+    task counts wherever it runs (a worker, or a waiter that runs it itself),
+    once per thread however its tasks nest, and not while its thread is
+    blocked in ``wait``; a running ``parallel_for`` counts its chunks.
 
     BLAS pools (OpenBLAS with pthreads, MKL, BLIS) are process-wide, so the
     count is applied to them whenever it changes, and only then, through
@@ -388,10 +390,11 @@ def parallel_info() -> str:
     else:
         how = f"budget: cores // running tasks, {budget.running} running now"
     lines.append(f"intra-op threads: {intra} ({how})")
-    helpers = _parallel.helper_count()
+    helpers = max(intra - 1, 0)
+    started = _parallel.helper_count()
     lines.append(
-        f"parallel_for: up to {intra} threads (the caller + {max(intra - 1, 0)} helpers; "
-        f"{helpers} helper thread{'s' if helpers != 1 else ''} started)"
+        f"parallel_for: up to {intra} threads (the caller + {helpers} "
+        f"helper{'s' if helpers != 1 else ''}; {started} started)"
     )
 
     libraries = budget.libraries()
