@@ -505,14 +505,16 @@ def _metadata(rows: dict[tuple[int, int], str]) -> Iterable[dict[str, Any]]:
             "args": {"sort_index": 0 if pid == main_pid else pid},
         }
     ordered = sorted(rows, key=lambda key: (key[1] != main_tid, rows[key], key))
+    # Thread names need not be unique (a pool may reuse a retired worker's
+    # name); two rows with one label would look like one thread.
+    seen: dict[tuple[int, str], int] = {}
+    for pid, tid in ordered:
+        seen[(pid, rows[(pid, tid)])] = seen.get((pid, rows[(pid, tid)]), 0) + 1
     for index, (pid, tid) in enumerate(ordered):
-        yield {
-            "name": "thread_name",
-            "ph": "M",
-            "pid": pid,
-            "tid": tid,
-            "args": {"name": rows[(pid, tid)]},
-        }
+        name = rows[(pid, tid)]
+        if seen[(pid, name)] > 1:
+            name = f"{name} (tid {tid})"
+        yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
         yield {
             "name": "thread_sort_index",
             "ph": "M",
