@@ -13,11 +13,18 @@ tutorial's sizes (T, B, H = 50, 50, 1024):
 * The batch is padded to a multiple of 8 columns; OpenBLAS's kernels slow down
   on a remainder (50 columns take longer than 56). Padded columns start at zero
   and provably stay zero, so they never need masking.
-* Gates are stored in the order (i, f, o, g) instead of PyTorch's (i, f, g, o),
-  and the rows of i, f and o are pre-scaled by 0.5. Then one ``tanh`` over all
-  four gates plus ``+1`` over the first three yields ``2*sigmoid`` for i, f, o
-  (sigmoid(x) = (tanh(x/2) + 1) / 2) and ``tanh`` for g; the factors 1/2 are
-  applied once to c and once to h. Scaling by 0.5 is exact in floating point.
+* Gates are stored in the order (o, i, f, g) instead of PyTorch's (i, f, g, o),
+  with the cell state as a fifth block of rows after them, and the rows of o,
+  i and f are pre-scaled by 0.5. Then one ``tanh`` over the four gates plus
+  ``+1`` over the first three yields ``2*sigmoid`` for o, i, f
+  (sigmoid(x) = (tanh(x/2) + 1) / 2) and ``tanh`` for g, and one multiply of
+  rows ``[i; f]`` by rows ``[g; c]`` forms both products of the cell update.
+* The hidden state is kept doubled (``2h``, which the doubled sigmoid gives
+  for free) and ``W_hh`` is pre-scaled by 0.5 to match; the halving happens
+  in the copy to the output. All these scalings are powers of two, so they
+  are exact.
+
+A step is then ten numpy calls.
 """
 
 from __future__ import annotations
@@ -35,9 +42,9 @@ _F32 = np.float32
 class PackedWeights:
     """One direction of one layer, rearranged for `run_direction`."""
 
-    w_ih: np.ndarray  # (4H, I), gate order (i, f, o, g), sigmoid rows scaled by 0.5
-    w_hh: np.ndarray  # (4H, H), same order and scaling
-    bias: np.ndarray | None  # (4H, 1): b_ih + b_hh, same order and scaling
+    w_ih: np.ndarray  # (4H, I), gates (o, i, f, g), sigmoid rows scaled by 0.5
+    w_hh: np.ndarray  # (4H, H), same order; scaled by 0.25 (sigmoid rows) or 0.5 (g)
+    bias: np.ndarray | None  # (4H, 1): b_ih + b_hh, same order and scaling as w_ih
     hidden_size: int
 
 
@@ -51,12 +58,12 @@ def pack_weights(
     scale[: 3 * hidden] = 0.5
 
     def reorder(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.concatenate([a[i], a[f], a[o], a[g]]), dtype=_F32)
+        return np.ascontiguousarray(np.concatenate([a[o], a[i], a[f], a[g]]), dtype=_F32)
 
     bias = None
     if b_ih is not None and b_hh is not None:
         bias = reorder((b_ih + b_hh).reshape(-1, 1)) * scale
-    return PackedWeights(reorder(w_ih) * scale, reorder(w_hh) * scale, bias, hidden)
+    return PackedWeights(reorder(w_ih) * scale, reorder(w_hh) * (scale * 0.5), bias, hidden)
 
 
 def _padded(batch: int) -> int:
@@ -84,29 +91,32 @@ def run_direction(
     hidden = weights.hidden_size
     padded = _padded(batch)
 
-    h = np.zeros((hidden, padded), _F32)
-    c = np.zeros((hidden, padded), _F32)
+    # Rows: gates o, i, f, g, then the cell state c. Columns: batch, padded.
+    state = np.zeros((5 * hidden, padded), _F32)
+    h2 = np.zeros((hidden, padded), _F32)  # 2 * h
     if h0 is not None:
-        h[:, :batch] = h0.T
+        np.multiply(h0.T, 2.0, out=h2[:, :batch])
     if c0 is not None:
-        c[:, :batch] = c0.T
+        state[4 * hidden :, :batch] = c0.T
     if steps == 0:
-        return np.ascontiguousarray(h[:, :batch].T), np.ascontiguousarray(c[:, :batch].T)
+        return np.ascontiguousarray(h2[:, :batch].T * 0.5), state[4 * hidden :, :batch].T.copy()
 
     # One GEMM for every step's input projection: (4H, I) @ (I, T*B).
     proj = np.matmul(weights.w_ih, x.reshape(steps * batch, features).T)
     if weights.bias is not None:
         proj += weights.bias
 
-    gates = np.zeros((4 * hidden, padded), _F32)
+    gates = state[: 4 * hidden]
+    sigmoid_gates = state[: 3 * hidden]
+    out_gate = state[:hidden]
+    in_forget = state[hidden : 3 * hidden]
+    in_times_g = state[hidden : 2 * hidden]
+    forget_times_c = state[2 * hidden : 3 * hidden]
+    cell_and_c = state[3 * hidden :]
+    c = state[4 * hidden :]
+    gates_live = state[: 4 * hidden, :batch]
+    h2_live_t = h2[:, :batch].T
     tanh_c = np.empty((hidden, padded), _F32)
-    sigmoid_gates = gates[: 3 * hidden]
-    in_gate = gates[:hidden]
-    forget_gate = gates[hidden : 2 * hidden]
-    out_gate = gates[2 * hidden : 3 * hidden]
-    cell_gate = gates[3 * hidden :]
-    gates_live = gates[:, :batch]
-    h_live_t = h[:, :batch].T
     w_hh = weights.w_hh
 
     h_is_zero = h0 is None
@@ -117,16 +127,14 @@ def run_direction(
             np.copyto(gates_live, proj_t)
             h_is_zero = False
         else:
-            np.matmul(w_hh, h, out=gates)
+            np.matmul(w_hh, h2, out=gates)
             gates_live += proj_t
         np.tanh(gates, out=gates)
-        sigmoid_gates += 1.0  # i, f, o now hold 2*sigmoid
-        c *= forget_gate
-        in_gate *= cell_gate
-        c += in_gate
+        sigmoid_gates += 1.0  # o, i, f now hold 2*sigmoid
+        np.multiply(in_forget, cell_and_c, out=in_forget)  # [2 i g; 2 f c]
+        np.add(in_times_g, forget_times_c, out=c)
         c *= 0.5
         np.tanh(c, out=tanh_c)
-        np.multiply(out_gate, tanh_c, out=h)
-        h *= 0.5
-        np.copyto(out[t], h_live_t)
-    return np.ascontiguousarray(h_live_t), np.ascontiguousarray(c[:, :batch].T)
+        np.multiply(out_gate, tanh_c, out=h2)
+        np.multiply(h2_live_t, 0.5, out=out[t])
+    return np.ascontiguousarray(h2_live_t * 0.5), np.ascontiguousarray(c[:, :batch].T)
