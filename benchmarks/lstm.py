@@ -19,6 +19,7 @@ import argparse
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from threadpoolctl import threadpool_info
+from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
 from aiopar.nn import LSTMEnsemble
@@ -65,6 +66,31 @@ def gemm_peak(n: int) -> float:
         np.matmul(a, b, out=out)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def effective_cores(n: int = 768, reps: int = 12) -> float:
+    """How many cores this process gets right now: two single-threaded GEMM loops
+    side by side against one alone (2.0 on an idle 2-core machine)."""
+    rng = np.random.default_rng(1)
+    a = rng.random((n, n), dtype=np.float32)
+
+    def work() -> None:
+        for _ in range(reps):
+            np.matmul(a, a)
+
+    with threadpool_limits(1):
+        work()
+        start = time.perf_counter()
+        work()
+        alone = time.perf_counter() - start
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        together = time.perf_counter() - start
+    return 2 * alone / together
 
 
 def torch_rows(n_models: int, size: int, x: np.ndarray, ens: LSTMEnsemble) -> list[Row]:
@@ -175,9 +201,10 @@ def main() -> None:
         if row.torch:
             row.run()
 
-    peaks = []
+    peaks, cores = [], []
     for r in range(rounds):
         peaks.append(gemm_peak(peak_n))
+        cores.append(effective_cores())
         for row in rows:
             start = time.perf_counter()
             row.run()
@@ -222,6 +249,10 @@ def main() -> None:
     console.print(
         f"float32 GEMM peak ({peak_n}^3 matmul, best of {rounds} rounds): {peak:.0f} GFLOP/s; "
         f"{flops / 1e9:.1f} GFLOP need at least {flops / 1e9 / peak:.2f} s at peak"
+    )
+    console.print(
+        "cores available to this run (two 1-thread GEMM loops vs one), per round: "
+        + ", ".join(f"{c:.2f}" for c in cores)
     )
     console.print(f"max |difference| between variants: {worst:.2e}")
     console.print(
