@@ -112,6 +112,8 @@ class LSTMEnsemble(Module):
         else:
             results = [model(x) for model in self.models]
         total = results[0]
+        if not total.flags.writeable:  # a backend may hand back read-only buffers
+            total = total.copy()
         for result in results[1:]:
             total += result
         return total
