@@ -10,7 +10,8 @@ and the best is used for "of peak". TorchScript's variants (the tutorial's
 modules, scripted, run under ``torch.no_grad()``) are included when torch is
 importable; aiopar's run on the "thread" backend and on "openmp" when it is
 available. Forked aiopar variants use the library's default intra-op thread
-budget.
+budget; two more rows pin every task to one BLAS thread with
+``aiopar.set_num_threads(1)`` for comparison.
 """
 
 from __future__ import annotations
@@ -174,16 +175,24 @@ def main() -> None:
     rounds = args.rounds or (2 if args.quick else 5)
     peak_n = 512 if args.quick else 4096
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 140)
     x = np.random.default_rng(0).random((steps, batch, size), dtype=np.float32)
     ens = LSTMEnsemble(n_models, size, size, seed=0)
     rows = [] if args.no_torch else torch_rows(n_models, size, x, ens)
 
-    def aiopar_run(backend: str, fork_models: bool, fork_directions: bool) -> Callable[[], object]:
+    def aiopar_run(
+        backend: str, fork_models: bool, fork_directions: bool, threads: int | None = None
+    ) -> Callable[[], object]:
         def run() -> np.ndarray:
             ens.fork_models, ens.fork_directions = fork_models, fork_directions
-            with aiopar.use_backend(backend):
-                return ens(x)
+            if threads is not None:
+                aiopar.set_num_threads(threads)
+            try:
+                with aiopar.use_backend(backend):
+                    return ens(x)
+            finally:
+                if threads is not None:
+                    aiopar.set_num_threads(None)
 
         return run
 
@@ -191,7 +200,11 @@ def main() -> None:
     backends = [b for b in ("thread", "openmp") if b in aiopar.available_backends()]
     for backend in backends:
         for label, flags in list(VARIANTS.items())[1:]:
-            rows.append(Row(f"aiopar {label} ({backend})", aiopar_run(backend, *flags)))
+            rows.append(Row(f"aiopar {label}, {backend}", aiopar_run(backend, *flags)))
+
+    # For comparison with the automatic budget: every task limited to 1 BLAS thread.
+    for label, flags in list(VARIANTS.items())[1:]:
+        rows.append(Row(f"aiopar {label}, thread, 1 BLAS thread", aiopar_run("thread", *flags, 1)))
 
     # Warm up (scripting, allocator, packed weights) and check every variant agrees.
     outputs = {row.name: row.run() for row in rows}
