@@ -1,0 +1,108 @@
+"""Every ```python block of README.md and docs/ runs, and the site builds with --strict.
+
+The blocks of one file run in order in one fresh interpreter, as a reader
+would paste them, in an empty working directory. A block right after an
+``<!-- skip -->`` line is not run (for snippets that are not Python a reader
+can run here, such as a plugin's packaging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+
+_FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<info>[^\n]*)$")
+
+# Runs in the child: exec each block with the markdown file's name and line
+# numbers, so a traceback points at the right line of the page.
+_RUNNER = """
+import json, sys
+path, blocks = sys.argv[1], json.loads(sys.stdin.read())
+namespace = {"__name__": "__main__"}
+for line, source in blocks:
+    code = compile("\\n" * (line - 1) + source, path, "exec")
+    exec(code, namespace)
+"""
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """(first line number, source) of each ```python block not marked to skip."""
+    blocks: list[tuple[int, str]] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        fence, indent = match["fence"], len(match["indent"])
+        language = match["info"].split()[0] if match["info"].split() else ""
+        skip = i > 0 and lines[i - 1].strip() == "<!-- skip -->"
+        body_start = i + 1
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            i += 1
+        body = [line[indent:] for line in lines[body_start:i]]
+        i += 1
+        if language in ("python", "py") and not skip:
+            blocks.append((body_start + 1, "\n".join(body) + "\n"))
+    return blocks
+
+
+def test_the_docs_have_python_blocks():
+    assert sum(len(python_blocks(path)) for path in DOC_FILES) >= 20
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_blocks_run(path: Path, tmp_path: Path) -> None:
+    blocks = python_blocks(path)
+    if not blocks:
+        pytest.skip("no python blocks")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(path.relative_to(ROOT))],
+        input=json.dumps(blocks),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, f"a block of {path.name} failed:\n{done.stderr[-4000:]}"
+
+
+def test_skip_marker_and_line_numbers(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n\n```python\nx = 1\n```\n\n<!-- skip -->\n```python\nraise SystemExit\n```\n"
+        "\n```bash\nls\n```\n\n- item\n\n    ```python\n    y = x\n    ```\n"
+    )
+    assert python_blocks(page) == [(4, "x = 1\n"), (19, "y = x\n")]
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "site" / "reference" / "profiler" / "index.html").exists()
