@@ -93,6 +93,7 @@ def test_lstm_matches_live_torch(num_layers, bias, batch_first, bidirectional) -
             assert max_error(c, want_c.numpy()) <= TOLERANCE
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_tutorial_ensemble_state_dict_loads_from_scripted_torch() -> None:
     torch = pytest.importorskip("torch")
     tutorial = _tutorial_modules()
