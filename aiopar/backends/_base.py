@@ -112,6 +112,9 @@ class Backend(ABC):
     #: itself; true for in-process backends, false where work must leave the
     #: process
     stealable: ClassVar[bool] = True
+    #: what :meth:`fork` wraps each call in; a subclass of :class:`Task` may
+    #: add work around :meth:`Task.run`
+    task_class: ClassVar[type[Task]] = Task
 
     def __init__(self) -> None:
         self._closed = False
@@ -139,7 +142,7 @@ class Backend(ABC):
         ):
             _loop.start_coroutine(future, fn, args, kwargs, context)
             return future
-        task = Task(future, fn, args, kwargs, context, self)
+        task = self.task_class(future, fn, args, kwargs, context, self)
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)

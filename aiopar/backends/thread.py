@@ -77,6 +77,7 @@ class ThreadBackend(Backend):
     """
 
     name = "thread"
+    task_class = _BudgetedTask
 
     def __init__(self, max_workers: int | None = None) -> None:
         if max_workers is not None and (
@@ -102,7 +103,6 @@ class ThreadBackend(Backend):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
-            task.__class__ = _BudgetedTask
             self._queue.put(task)
             if len(self._threads) - self._blocked < (self._max_workers or _config.interop_threads):
                 self._start_worker()
