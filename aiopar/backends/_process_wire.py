@@ -261,27 +261,30 @@ _extract_code_globals = getattr(cloudpickle.cloudpickle, "_extract_code_globals"
 
 def _fingerprint(value: Any, refs: list[Any], depth: int = 0) -> Any:
     """Something equal as long as cloudpickle would write ``value`` the same
-    way; None when that cannot be told cheaply. ``refs`` keeps every object
-    whose id is used alive, so no id can be reused meanwhile."""
-    refs.append(value)
+    way; None when that cannot be told cheaply. ``refs`` keeps the objects
+    whose ids are used alive, so no id can be reused meanwhile (but never a
+    by-value function itself, which would keep its cache entry alive)."""
     if isinstance(value, _IMMUTABLE):
+        refs.append(value)
         return id(value)
     if isinstance(value, type) or type(value) is types.FunctionType:
         module = getattr(value, "__module__", None)
         if module != "__main__" and module in sys.modules and "<" not in value.__qualname__:
+            refs.append(value)
             return id(value)  # pickled by reference
     if type(value) is tuple:
         parts = tuple(_fingerprint(item, refs, depth + 1) for item in value)
         return None if None in parts else parts
     if type(value) is not types.FunctionType or depth > 3 or value.__dict__:
         return None
+    if value.__kwdefaults__:
+        return None
+    refs.append(value.__code__)
     fn_globals = value.__globals__
     parts: list[Any] = [id(value.__code__)]
     for name in _extract_code_globals(value.__code__):  # type: ignore[misc]
         parts.append(_fingerprint(fn_globals.get(name), refs, depth + 1))
     parts.append(_fingerprint(value.__defaults__, refs, depth + 1))
-    if value.__kwdefaults__:
-        return None
     for cell in value.__closure__ or ():
         try:
             contents = cell.cell_contents

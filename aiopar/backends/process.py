@@ -25,7 +25,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import json
@@ -116,7 +115,7 @@ class _Worker:
                 "-c",
                 _BOOT,
                 str(child_end.fileno()),
-                json.dumps(sys.path),
+                json.dumps([os.fspath(p) for p in sys.path if isinstance(p, str | os.PathLike)]),
             ]
             self.process = subprocess.Popen(
                 command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL
@@ -190,10 +189,12 @@ class ProcessBackend(Backend):
         self._manager: threading.Thread | None = None
         self._generation = 0  # of the manager thread in charge
         self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._unmapped: deque[tuple[_Worker, int]] = deque()
         self._name = f"aiopar-process-{next(_backend_ids)}"
-        _live.add(self)
+        self._pid = os.getpid()
 
     @property
     def max_workers(self) -> int:
@@ -210,6 +211,11 @@ class ProcessBackend(Backend):
     def submit(self, task: Task) -> None:
         if self._closed:
             raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{self!r} belongs to process {self._pid}; a child made with os.fork() "
+                f"must create its own backend"
+            )
         job = _Job(task, self._pack_call(task), next(self._job_ids))
         with self._lock:
             if self._closed:
@@ -472,9 +478,10 @@ class ProcessBackend(Backend):
             inflight = list(worker.inflight)
             worker.inflight.clear()
             running = inflight[0] if inflight else None
-            for job in reversed(inflight[1:]):
+            for job in reversed(inflight[1:]):  # sent but not started: run them elsewhere
                 self._pending.appendleft(job)
-                job.packed.segment and setattr(job.packed.segment, "owner", None)
+                if job.packed.segment is not None:
+                    job.packed.segment.owner = None
             self._segments.release_owner(worker)
             failed_to_start = not worker.ready and not self._closed
             doomed: list[_Job] = []
@@ -634,14 +641,3 @@ def _find_unpicklable(task: Task) -> str:
         except Exception:
             return f"{label} (a {type(value).__module__}.{type(value).__qualname__})"
     return "part of the call"
-
-
-_live: weakref.WeakSet[ProcessBackend] = weakref.WeakSet()
-
-
-# Registered after multiprocessing's and anything imported above, so it runs
-# before them at exit (atexit is last-in, first-out).
-@atexit.register
-def _shutdown_at_exit() -> None:
-    for backend in list(_live):
-        backend.shutdown(wait=True)

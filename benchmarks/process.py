@@ -1,0 +1,143 @@
+"""The "process" backend against concurrent.futures.ProcessPoolExecutor and loky.
+
+Rows, each measured in this one run (median of several rounds):
+
+- small tasks, batched: submit N tiny calls, then wait for all of them;
+- small tasks, sequential: submit one, wait for it, repeat;
+- a 100 MB float64 array as the argument (the result is a number);
+- a 100 MB array argument and a 100 MB array result (the task returns its
+  argument, so only the transport is measured);
+- a plain 100 MB memcpy (``np.copyto`` into a warm buffer) as the anchor.
+
+Every pool has two workers and is warmed up before it is timed. The task
+functions are defined in this script (``__main__``), as in a user's script:
+aiopar sends them by value (cloudpickle), ProcessPoolExecutor by reference
+(its workers are forked from this process). loky's row is skipped when it is
+not installed.
+
+Run: ``python benchmarks/process.py [--rounds 5] [--small 2000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+
+import aiopar
+
+MB = 1_000_000
+
+
+def small(x: int) -> int:
+    return x + 1
+
+
+def first_item(a: np.ndarray) -> float:
+    return float(a[0])
+
+
+def echo(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def median_time(fn: Callable[[], Any], rounds: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def batched(submit: Callable[..., Any], n: int) -> Callable[[], None]:
+    def run() -> None:
+        futures = [submit(small, i) for i in range(n)]
+        for fut in futures:
+            fut.result()
+
+    return run
+
+
+def sequential(submit: Callable[..., Any], n: int) -> Callable[[], None]:
+    def run() -> None:
+        for i in range(n):
+            submit(small, i).result()
+
+    return run
+
+
+def one_call(submit: Callable[..., Any], fn: Callable[..., Any], arg: Any) -> Callable[[], None]:
+    def run() -> None:
+        result = submit(fn, arg).result()
+        del result
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per row")
+    parser.add_argument("--small", type=int, default=2000, help="small tasks per round")
+    options = parser.parse_args()
+    rounds, n = options.rounds, options.small
+
+    array = np.random.default_rng(0).random(100 * MB // 8)  # 100 MB of float64
+    target = np.empty_like(array)
+
+    pools: dict[str, Any] = {}
+    pools["ProcessPoolExecutor"] = ProcessPoolExecutor(2)
+    try:
+        import loky
+
+        pools["loky"] = loky.get_reusable_executor(max_workers=2)
+    except ImportError:
+        pass
+    backend = aiopar.get_backend("process", max_workers=2)
+    submits: dict[str, Callable[..., Any]] = {name: pool.submit for name, pool in pools.items()}
+    submits["aiopar"] = backend.fork
+    for submit in submits.values():  # start every worker before timing
+        for fut in [submit(small, i) for i in range(4)]:
+            fut.result()
+
+    rows: list[tuple[str, str, float]] = []  # (row, contender, seconds per task)
+    for name, submit in submits.items():
+        if name == "loky":
+            continue  # the small-task rows compare with the standard library only
+        rows.append(("small tasks, batched", name, median_time(batched(submit, n), rounds) / n))
+        seq = median_time(sequential(submit, n // 2), rounds) / (n // 2)
+        rows.append(("small tasks, sequential", name, seq))
+    for name, submit in submits.items():
+        arg = median_time(one_call(submit, first_item, array), rounds)
+        rows.append(("100 MB argument", name, arg))
+        both = median_time(one_call(submit, echo, array), rounds)
+        rows.append(("100 MB argument + 100 MB result", name, both))
+    memcpy = median_time(lambda: np.copyto(target, array), rounds)
+    rows.append(("memcpy 100 MB (anchor)", "numpy.copyto", memcpy))
+
+    backend.shutdown()
+    for pool in pools.values():
+        pool.shutdown()
+
+    print(f"{'row':34} {'contender':22} {'per task':>12} {'aiopar speed-up':>16}")
+    print("-" * 87)
+    ours = {row: t for row, name, t in rows if name == "aiopar"}
+    for row, name, seconds in rows:
+        per_task = f"{seconds * 1e6:9.1f} us" if seconds < 0.01 else f"{seconds * 1e3:9.1f} ms"
+        if row in ours and name != "aiopar":
+            ratio = f"{seconds / ours[row]:14.1f}x"
+        elif row.startswith("100 MB") and name == "aiopar":
+            ratio = f"{seconds / memcpy:9.1f} memcpy"
+        else:
+            ratio = ""
+        print(f"{row:34} {name:22} {per_task:>12} {ratio:>16}")
+
+
+if __name__ == "__main__":
+    main()
