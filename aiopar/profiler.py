@@ -35,6 +35,7 @@ Times are nanoseconds of :func:`time.perf_counter_ns`, a system-wide clock
 
 from __future__ import annotations
 
+import gzip
 import io
 import itertools
 import json
@@ -403,11 +404,14 @@ class Profile:
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the timeline as Trace Event JSON.
 
-        Open the file in https://ui.perfetto.dev or chrome://tracing. Raises
-        OSError if the file cannot be written.
+        Open the file in https://ui.perfetto.dev or chrome://tracing. A path
+        ending in ``.gz`` is gzip-compressed (both viewers read it so).
+        Raises OSError if the file cannot be written.
         """
-        text = json.dumps(self.chrome_trace(), separators=(",", ":"))
-        Path(path).write_text(text, encoding="utf-8")
+        data = json.dumps(self.chrome_trace(), separators=(",", ":")).encode()
+        if str(path).endswith(".gz"):
+            data = gzip.compress(data)
+        Path(path).write_bytes(data)
 
 
 class _TraceBuilder:

@@ -41,6 +41,14 @@ def test_demo_quick_in_process(capsys):
     assert "best of 2" in out
 
 
+@pytest.mark.parametrize("backend", aiopar.available_backends())
+def test_demo_quick_on_every_backend(backend, capsys):
+    assert main(["demo", "--quick", "--backend", backend]) == 0
+    out = capsys.readouterr().out
+    assert sum(backend in line for line in out.splitlines() if "forked" in line) == 4
+    assert "matches the sequential run" in out
+
+
 def test_demo_sizes_are_options(capsys):
     argv = ["demo", "--quick", "--seq-len", "3", "--batch", "2", "--input-size", "5"]
     assert main([*argv, "--hidden-size", "7", "--models", "3"]) == 0

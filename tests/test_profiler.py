@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import threading
@@ -239,6 +240,14 @@ def test_chrome_trace_schema_and_export(thread_backend, tmp_path):
     leaf_args = [e["args"] for e in task_slices if e["name"] == "leaf"]
     node_ids = {e["args"]["task"] for e in task_slices if e["name"] == "node"}
     assert sum(args["parent"] in node_ids for args in leaf_args) == 6
+
+
+def test_export_gzip(thread_backend, tmp_path):
+    with profile() as prof:
+        aiopar.fork(leaf).wait()
+    path = tmp_path / "trace.json.gz"
+    prof.export_chrome_trace(path)
+    check_trace_schema(json.loads(gzip.decompress(path.read_bytes())))
 
 
 def test_export_to_an_unwritable_path_raises_oserror(tmp_path):
