@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
+import contextvars
 import os
 import subprocess
 import sys
@@ -281,38 +281,58 @@ def run_demo(args: argparse.Namespace) -> int:
     # per model and direction, every step: x @ W_ih.T and h @ W_hh.T, 4 gates
     flops = models * 2 * seq_len * 2 * batch * 4 * hidden * (input_size + hidden)
 
+    # Sequential code forks nothing, so called in this thread it needs no
+    # backend; awaited, the whole ensemble is one task on each backend.
     runs = [("sequential", "-", "sync")] + [
         (variant, backend, mode)
         for backend in backends
-        for variant, _, _ in VARIANTS[1:]
+        for variant, _, _ in VARIANTS
         for mode in ("sync", "await")
+        if (variant, mode) != ("sequential", "sync")
     ]
-    rows: list[_Row] = []
-    reference: Any = None
-    with Progress(
-        TextColumn("{task.description:<40}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as progress:
+    with (
+        Progress(
+            TextColumn("{task.description:<40}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as progress,
+        asyncio.Runner() as loop,
+    ):
         bar = progress.add_task("GEMM peak", total=len(runs) * (repeats + 1) + 1)
         peak = _gemm_peak(256 if args.quick else 2048)
         progress.advance(bar)
-        for variant, backend, mode in runs:
+
+        def timed(variant: str, backend: str, mode: str) -> tuple[Any, float]:
+            """One run: its output and seconds, measured where the call happens."""
             progress.update(bar, description=f"{variant} · {backend} · {mode}")
             _, fork_models, fork_directions = next(v for v in VARIANTS if v[0] == variant)
             ens.fork_models, ens.fork_directions = fork_models, fork_directions
-            tick = functools.partial(progress.advance, bar)
             with aiopar.use_backend(backend if backend != "-" else "inline"):
                 if mode == "sync":
-                    result, best = _time_calls(lambda: ens(x), repeats, tick)
+                    start = time.perf_counter()
+                    result = ens(x)
+                    seconds = time.perf_counter() - start
                 else:
-                    result, best = asyncio.run(_time_awaits(ens, x, repeats, tick))
-            if reference is None:
-                reference = result
-            matches = bool(np.allclose(result, reference, rtol=1e-4, atol=1e-5))
-            rows.append(_Row(variant, backend, mode, best, matches))
+                    # the Runner's own context predates use_backend: pass ours
+                    context = contextvars.copy_context()
+                    result, seconds = loop.run(_timed_await(ens, x), context=context)
+            progress.advance(bar)
+            return result, seconds
+
+        # One warm-up run each (threads and workers started, weights packed),
+        # then rounds over all rows in turn, so drift on a shared machine
+        # hits every row alike; the best round of each row counts.
+        outputs = [timed(*run)[0] for run in runs]
+        best = [float("inf")] * len(runs)
+        for _ in range(repeats):
+            for i, run in enumerate(runs):
+                best[i] = min(best[i], timed(*run)[1])
+        rows = [
+            _Row(*run, seconds, bool(np.allclose(out, outputs[0], rtol=1e-4, atol=1e-5)))
+            for run, seconds, out in zip(runs, best, outputs, strict=True)
+        ]
 
         prof = None
         if args.trace is not None:
@@ -353,30 +373,10 @@ def _console() -> Any:
     return console
 
 
-def _time_calls(call: Callable[[], Any], repeats: int, tick: Callable[[], Any]) -> Any:
-    """The result of a warm-up call, and the best time of ``repeats`` more."""
-    result = call()  # threads started, weights packed
-    tick()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-        tick()
-    return result, best
-
-
-async def _time_awaits(ens: Any, x: Any, repeats: int, tick: Callable[[], Any]) -> Any:
-    """:func:`_time_calls` for ``await aiopar.fork(ens, x)``, all in one event loop."""
+async def _timed_await(ens: Any, x: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
     result = await aiopar.fork(ens, x)
-    tick()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        await aiopar.fork(ens, x)
-        best = min(best, time.perf_counter() - start)
-        tick()
-    return result, best
+    return result, time.perf_counter() - start
 
 
 def _gemm_peak(n: int) -> float:

@@ -49,6 +49,17 @@ def test_demo_quick_on_every_backend(backend, capsys):
     assert "matches the sequential run" in out
 
 
+def test_demo_forks_every_row_on_the_chosen_backend(capsys):
+    from aiopar.profiler import profile
+
+    with profile() as prof:
+        assert main(["demo", "--quick", "--backend", "inline"]) == 0
+    backends = {record.backend for record in prof.records}
+    assert backends == {"inline"}  # awaited rows too, not the default "thread"
+    # awaited: the whole ensemble is one forked task per run (warm-up + 1 repeat)
+    assert sum(r.name == "LSTMEnsemble" for r in prof.records) == 3 * 2
+
+
 def test_demo_sizes_are_options(capsys):
     argv = ["demo", "--quick", "--seq-len", "3", "--batch", "2", "--input-size", "5"]
     assert main([*argv, "--hidden-size", "7", "--models", "3"]) == 0
