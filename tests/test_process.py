@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import multiprocessing
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -505,3 +507,56 @@ def test_a_done_callback_may_wait_on_another_process_task(own_pool):
     chained = pool.fork(add, 1, 1).then(lambda f: pool.fork(add, f.value(), 1).wait())
     assert chained.wait(timeout=30) == 3
     assert pool.fork(add, 2, 2).wait(timeout=30) == 4
+
+
+def test_a_callback_may_block_several_times(own_pool):
+    pool = own_pool(2)
+
+    def chain(fut):
+        first = pool.fork(add, fut.value(), 1).wait()
+        return pool.fork(add, first, 1).wait()
+
+    assert pool.fork(add, 1, 0).then(chain).wait(timeout=30) == 3
+    assert pool.fork(add, 5, 5).wait(timeout=30) == 10
+
+
+def test_many_threads_fork_at_once(pool):
+    results = {}
+
+    def client(k):
+        results[k] = [pool.fork(add, k, i).wait() for i in range(30)]
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {k: [k + i for i in range(30)] for k in range(6)}
+
+
+def test_no_descriptor_outlives_the_backend():
+    before = set(os.listdir("/proc/self/fd"))
+    backend = ProcessBackend(2)
+    a = np.ones(1_000_000)
+    results = [backend.fork(double, a) for _ in range(4)]
+    assert all((f.wait() == 2).all() for f in results)
+    backend.shutdown()
+    del results
+    gc.collect()  # a future and its task refer to each other
+    assert set(os.listdir("/proc/self/fd")) - before == set()
+
+
+def test_received_arrays_hold_no_descriptors(pool):
+    before = len(os.listdir("/proc/self/fd"))
+    kept = [pool.fork(double, np.ones(20_000)).wait() for _ in range(40)]  # 160 kB each
+    assert len(os.listdir("/proc/self/fd")) - before < 5
+    assert all((k == 2).all() for k in kept)
+
+
+def test_a_kept_future_does_not_keep_the_arguments(pool):
+    a = np.ones(100_000)
+    ref = weakref.ref(a)
+    fut = pool.fork(double, a)
+    del a
+    fut.wait()
+    assert ref() is None

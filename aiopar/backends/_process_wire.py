@@ -366,19 +366,63 @@ def _map_segment(
     fd: int, size: int, lengths: list[int], on_unmapped: Callable[[], None]
 ) -> list[memoryview]:
     try:
-        mapping = mmap.mmap(fd, size, flags=_ZERO_COPY_MAP)
+        mapping = _mmap(fd, size)
     finally:
         os.close(fd)
     # Called once the last array built on the mapping is gone.
     finalizer = weakref.finalize(mapping, on_unmapped)
     finalizer.atexit = False
-    whole = memoryview(mapping)
+    whole = memoryview(mapping).cast("B")
     views = []
     offset = 0
     for n in lengths:
         views.append(whole[offset : offset + n])
         offset += _aligned(n)
     return views
+
+
+def _libc_mmap() -> Callable[[int, int], Any] | None:
+    """mmap through libc: Python's mmap object keeps a duplicate descriptor
+    open for its whole life, so a thousand received arrays would hold a
+    thousand descriptors and run into the process's limit."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        c_mmap, c_munmap = libc.mmap, libc.munmap
+    except (ImportError, OSError, AttributeError):
+        return None
+    c_mmap.restype = ctypes.c_void_p
+    c_mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    map_failed = ctypes.c_void_p(-1).value
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+
+    def map_shared(fd: int, size: int) -> Any:
+        address = c_mmap(None, size, prot, _ZERO_COPY_MAP, fd, 0)
+        if address in (None, map_failed):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of a {size}-byte shared-memory segment: {os.strerror(err)}")
+        memory = (ctypes.c_char * size).from_address(address)
+        # Unmapped when the last view of it is gone (nothing can read it then).
+        weakref.finalize(memory, c_munmap, address, size).atexit = False
+        return memory
+
+    return map_shared
+
+
+def _python_mmap(fd: int, size: int) -> Any:
+    return mmap.mmap(fd, size, flags=_ZERO_COPY_MAP)
+
+
+_mmap = _libc_mmap() or _python_mmap
 
 
 class Channel:

@@ -95,12 +95,16 @@ _Settle = tuple[Future[Any], tuple[Any, "BaseException | None"]]
 
 
 class _Job:
-    __slots__ = ("id", "packed", "task")
+    __slots__ = ("id", "name", "packed", "task")
 
     def __init__(self, task: Task, packed: wire.Packed, job_id: int) -> None:
         self.task = task
+        self.name = task.name
         self.packed = packed
         self.id = job_id
+        # The pickle is all that is needed now: let the arguments go even
+        # while the future (which refers to the task) is kept.
+        task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
 
 
 class _Worker:
@@ -140,7 +144,6 @@ class _Worker:
                 backend._segment_unmapped(self, seg_id)
 
         self.channel = wire.Channel(parent_end, backend._segments.release, unmapped)
-        self.released: deque[int] = deque()  # its segments this process no longer maps
         self.pidfd = _pidfd_open(self.pid)
 
     def __repr__(self) -> str:
@@ -259,8 +262,10 @@ class ProcessBackend(Backend):
             for worker in self._workers:
                 if not pending:
                     break
-                if worker.ready and not worker.stopping and len(worker.inflight) > 0:
-                    while pending and len(worker.inflight) <= self._prefetch:
+                if worker.ready and len(worker.inflight) > 0:
+                    while (
+                        pending and not worker.stopping and len(worker.inflight) <= self._prefetch
+                    ):
                         job = pending[0]
                         if job.packed.segment is not None or len(job.packed.payload) > 16384:
                             return  # big messages only go to a worker that is reading
@@ -313,7 +318,8 @@ class ProcessBackend(Backend):
     # thread exits once its callback returns.
     def worker_blocked(self) -> None:
         with self._lock:
-            self._start_manager()
+            if self._manager is threading.current_thread():
+                self._start_manager()
 
     def worker_resumed(self) -> None:
         pass
@@ -327,7 +333,7 @@ class ProcessBackend(Backend):
         try:
             while not handed_off:
                 with self._lock:
-                    self._start_workers()
+                    doomed = self._start_workers()
                     for worker in self._workers:
                         if worker not in watched:
                             watched.add(worker)
@@ -335,8 +341,15 @@ class ProcessBackend(Backend):
                                 selector.register(worker.channel, selectors.EVENT_READ, worker)
                             if worker.pidfd is not None:
                                 selector.register(worker.pidfd, selectors.EVENT_READ, worker)
-                    if self._closed and not self._pending and not self._busy():
-                        break
+                    stop = self._closed and not self._pending and not self._busy()
+                for job, error in doomed:
+                    job.packed.discard()
+                    job.task.future._settle(None, error)
+                if generation != self._generation:
+                    handed_off = True
+                    continue
+                if stop:
+                    break
                 # Frames a previous manager read but left unhandled.
                 ready = [
                     (selector.get_key(w.channel), None)
@@ -351,14 +364,14 @@ class ProcessBackend(Backend):
                         self._send_releases()
                     elif worker in watched:
                         if key.fileobj is worker.channel:
-                            self._read(worker, generation)
-                            if worker.eof and generation == self._generation:
-                                selector.unregister(worker.channel)
+                            self._read(worker, generation, selector)
+                            if worker.eof and worker in self._workers:
+                                with contextlib.suppress(KeyError, ValueError):
+                                    selector.unregister(worker.channel)
                         else:
-                            self._worker_died(worker)
-                        if worker not in self._workers and generation == self._generation:
+                            self._worker_died(worker, selector)
+                        if worker not in self._workers:
                             watched.discard(worker)
-                            _unregister(selector, worker)
                     if generation != self._generation:
                         handed_off = True
                         break
@@ -381,14 +394,35 @@ class ProcessBackend(Backend):
     def _busy(self) -> bool:
         return any(worker.inflight for worker in self._workers)
 
-    def _start_workers(self) -> None:
-        # Called with the lock held: one worker per queued job, up to max_workers.
+    def _start_workers(self) -> list[tuple[_Job, BaseException]]:
+        """Start one worker per queued job, up to max_workers.
+
+        Called with the lock held; returns the jobs to fail (after the lock
+        is released) if no worker could be started at all.
+        """
         starting = sum(1 for worker in self._workers if not worker.ready)
         wanted = min(len(self._pending) - starting, self._max_workers - len(self._workers))
         for _ in range(max(wanted, 0)):
-            self._workers.append(_Worker(self, next(self._worker_index)))
+            try:
+                self._workers.append(_Worker(self, next(self._worker_index)))
+            except OSError as exc:
+                if self._workers:
+                    break  # the running workers carry on
+                doomed = list(self._pending)
+                self._pending.clear()
+                return [
+                    (
+                        job,
+                        BrokenWorkerError(
+                            f"could not start a worker process for {job.name}() "
+                            f"({type(exc).__name__}: {exc})"
+                        ),
+                    )
+                    for job in doomed
+                ]
+        return []
 
-    def _read(self, worker: _Worker, generation: int) -> None:
+    def _read(self, worker: _Worker, generation: int, selector: selectors.BaseSelector) -> None:
         """Handle the frames waiting on the worker's socket."""
         channel = worker.channel
         while True:
@@ -401,7 +435,7 @@ class ProcessBackend(Backend):
                     if worker in self._idle:
                         self._idle.remove(worker)
                 if worker.pidfd is None:  # no pidfd to tell when it has exited
-                    self._worker_died(worker)
+                    self._worker_died(worker, selector)
                 return
             settle = self._on_frame(worker, frame) if frame is not None else None
             del frame
@@ -440,9 +474,9 @@ class ProcessBackend(Backend):
             if frame.kind == wire.RESULT:
                 outcome: tuple[Any, BaseException | None] = (frame.loads(), None)
             else:
-                outcome = (None, _remote_exception(frame.loads(), task.name))
+                outcome = (None, _remote_exception(frame.loads(), job.name))
         except BaseException as exc:
-            outcome = (None, _unpickling_failed(exc, task.name))
+            outcome = (None, _unpickling_failed(exc, job.name))
         return future, outcome
 
     def _send_releases(self) -> None:
@@ -458,7 +492,7 @@ class ProcessBackend(Backend):
                     with contextlib.suppress(OSError):
                         worker.channel.send(wire.RELEASE, released=ids)
 
-    def _worker_died(self, worker: _Worker) -> None:
+    def _worker_died(self, worker: _Worker, selector: selectors.BaseSelector) -> None:
         # Results it sent before it died still count.
         settles: list[_Settle] = []
         with contextlib.suppress(OSError, EOFError):
@@ -491,6 +525,7 @@ class ProcessBackend(Backend):
                     doomed = list(self._pending)
                     self._pending.clear()
             self._dispatch()
+        _unregister(selector, worker)  # before closing: the numbers may be reused
         worker.channel.close()
         if worker.pidfd is not None:
             os.close(worker.pidfd)
@@ -502,7 +537,7 @@ class ProcessBackend(Backend):
             running.task.future._settle(
                 None,
                 BrokenWorkerError(
-                    f"the worker process (pid {worker.pid}) running {running.task.name}() died: "
+                    f"the worker process (pid {worker.pid}) running {running.name}() died: "
                     f"{cause}. The task's work is lost; other tasks are unaffected and a new "
                     f"worker replaces it"
                 ),
@@ -514,7 +549,7 @@ class ProcessBackend(Backend):
                 BrokenWorkerError(
                     f"{_MAX_START_FAILURES} worker processes in a row died before they were "
                     f"ready (the last one {cause}); their error output is above. "
-                    f"{job.task.name}() was never run"
+                    f"{job.name}() was never run"
                 ),
             )
 
@@ -539,6 +574,7 @@ class ProcessBackend(Backend):
 
     def _fail_everything(self) -> None:
         with self._lock:
+            self._closed = True  # later forks raise instead of waiting for ever
             jobs = list(self._pending)
             self._pending.clear()
             for worker in self._workers:
