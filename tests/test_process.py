@@ -560,3 +560,30 @@ def test_a_kept_future_does_not_keep_the_arguments(pool):
     del a
     fut.wait()
     assert ref() is None
+
+
+def test_classes_from_main_come_back_as_themselves(pool):
+    namespace = {"__name__": "__main__"}
+    exec(
+        textwrap.dedent(
+            """
+            class MainError(Exception):
+                pass
+
+            class Point:
+                def __init__(self, x):
+                    self.x = x
+
+            def boom(p):
+                raise MainError(f"bad point {p.x}")
+
+            def make(x):
+                return Point(x)
+            """
+        ),
+        namespace,
+    )
+    with pytest.raises(namespace["MainError"], match="bad point 3"):
+        pool.fork(namespace["boom"], namespace["Point"](3)).wait()
+    point = pool.fork(namespace["make"], 5).wait()
+    assert type(point) is namespace["Point"] and point.x == 5
