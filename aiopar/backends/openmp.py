@@ -38,7 +38,6 @@ class OpenMPBackend(ThreadBackend):
 
     def __init__(self) -> None:
         super().__init__(max_workers=1)
-        self._thread_names = self._thread_names.replace("thread", "openmp", 1)
 
     @property
     def stealable(self) -> bool:  # type: ignore[override]

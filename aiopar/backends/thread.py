@@ -93,7 +93,8 @@ class ThreadBackend(Backend):
         self._threads: set[threading.Thread] = set()
         self._blocked = 0  # workers waiting in Future.wait
         self._closed = False
-        self._thread_names = f"aiopar-thread-{next(_backend_ids)}"
+        self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
+        self._thread_ids = itertools.count()  # names stay unique as workers come and go
 
     @property
     def max_workers(self) -> int:
@@ -110,7 +111,7 @@ class ThreadBackend(Backend):
     def _start_worker(self) -> None:
         # Called with self._lock held.
         thread = threading.Thread(
-            target=self._work, name=f"{self._thread_names}-{len(self._threads)}", daemon=True
+            target=self._work, name=f"{self._thread_names}-{next(self._thread_ids)}", daemon=True
         )
         self._threads.add(thread)
         thread.start()
