@@ -189,6 +189,45 @@ def _run_on(
     return lambda: loop.run_until_complete(coroutine_function())
 
 
+def profiler_rows(scale: float, rounds: int) -> list[tuple[str, str, float, float]]:
+    """What tracing costs: off, the two checks of ``_trace.active`` a task passes
+    (in fork and in run); on, a recorded inline fork+wait."""
+    from aiopar import _trace, profiler
+
+    inline = aiopar.get_backend("inline")
+    n = int(20_000 * scale)
+
+    def fork_wait() -> None:
+        fork = inline.fork
+        for _ in range(n):
+            fork(noop).wait()
+
+    def flag_checks() -> None:
+        trace = _trace
+        for _ in range(n):
+            if trace.active is not None:
+                raise AssertionError("a profiler is recording")
+            if trace.active is not None:
+                raise AssertionError("a profiler is recording")
+
+    def recorded_fork_wait() -> None:
+        with profiler.profile():
+            fork_wait()
+
+    return [
+        (
+            "profiler off: its checks per task",
+            "inline fork+wait (the task they sit in)",
+            *paired(flag_checks, fork_wait, n, rounds),
+        ),
+        (
+            "inline fork+wait, profiler recording",
+            "inline fork+wait, profiler off",
+            *paired(recorded_fork_wait, fork_wait, n, rounds),
+        ),
+    ]
+
+
 def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
     """TorchScript's own fork/wait, for reference, when torch is installed."""
     try:
@@ -253,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = sync_rows(args.scale, args.rounds, args.workers)
     rows += async_rows(args.scale, args.rounds, args.workers)
+    rows += profiler_rows(args.scale, args.rounds)
     rows += torch_rows(args.scale, args.rounds, args.workers)
 
     table = Table(title=f"aiopar overhead per task ({args.workers} workers, best of {args.rounds})")
