@@ -1,6 +1,7 @@
 """The "process" backend against concurrent.futures.ProcessPoolExecutor and loky.
 
-Rows, each measured in this one run (median of several rounds):
+Rows, each measured in this one run; the contenders take turns round by
+round (so they see the same machine load) and each gets its median:
 
 - small tasks, batched: submit N tiny calls, then wait for all of them;
 - small tasks, sequential: submit one, wait for it, repeat;
@@ -46,14 +47,17 @@ def echo(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def median_time(fn: Callable[[], Any], rounds: int) -> float:
-    fn()  # warm-up
-    times = []
+def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median seconds of each run, the runs taking turns round by round."""
+    for run in runs.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def batched(submit: Callable[..., Any], n: int) -> Callable[[], None]:
@@ -107,18 +111,21 @@ def main() -> None:
             fut.result()
 
     rows: list[tuple[str, str, float]] = []  # (row, contender, seconds per task)
-    for name, submit in submits.items():
-        if name == "loky":
-            continue  # the small-task rows compare with the standard library only
-        rows.append(("small tasks, batched", name, median_time(batched(submit, n), rounds) / n))
-        seq = median_time(sequential(submit, n // 2), rounds) / (n // 2)
-        rows.append(("small tasks, sequential", name, seq))
-    for name, submit in submits.items():
-        arg = median_time(one_call(submit, first_item, array), rounds)
-        rows.append(("100 MB argument", name, arg))
-        both = median_time(one_call(submit, echo, array), rounds)
-        rows.append(("100 MB argument + 100 MB result", name, both))
-    memcpy = median_time(lambda: np.copyto(target, array), rounds)
+    # The small-task rows compare with the standard library only.
+    small_submits = {name: submit for name, submit in submits.items() if name != "loky"}
+    for name, t in median_times(
+        {name: batched(submit, n) for name, submit in small_submits.items()}, rounds
+    ).items():
+        rows.append(("small tasks, batched", name, t / n))
+    for name, t in median_times(
+        {name: sequential(submit, n // 2) for name, submit in small_submits.items()}, rounds
+    ).items():
+        rows.append(("small tasks, sequential", name, t / (n // 2)))
+    for row, fn in [("100 MB argument", first_item), ("100 MB argument + 100 MB result", echo)]:
+        runs = {name: one_call(submit, fn, array) for name, submit in submits.items()}
+        for name, t in median_times(runs, rounds).items():
+            rows.append((row, name, t))
+    memcpy = median_times({"memcpy": lambda: np.copyto(target, array)}, rounds)["memcpy"]
     rows.append(("memcpy 100 MB (anchor)", "numpy.copyto", memcpy))
 
     backend.shutdown()

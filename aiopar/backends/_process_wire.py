@@ -464,9 +464,10 @@ class Channel:
         owner: object = None,
     ) -> None:
         released = list(released)
-        seg = packed.segment if packed is not None else None
-        payload = packed.payload if packed is not None else b""
-        lengths = packed.lengths if packed is not None else []
+        if packed is None:
+            seg, payload, lengths = None, b"", []
+        else:
+            seg, payload, lengths = packed.segment, packed.payload, packed.lengths
         header = _HEADER.pack(
             kind,
             seg is not None,
@@ -474,12 +475,15 @@ class Channel:
             len(released),
             msg_id,
             seg.id if seg is not None else 0,
-            sum(_aligned(n) for n in lengths),
+            sum(_aligned(n) for n in lengths) if lengths else 0,
             len(payload),
             t0,
             t1,
         )
-        parts = [header, array("Q", lengths + released).tobytes(), payload]
+        if lengths or released:
+            parts = [header, array("Q", lengths + released).tobytes(), payload]
+        else:
+            parts = [header, payload]
         ancdata = []
         if seg is not None:
             seg.owner = owner
@@ -511,9 +515,11 @@ class Channel:
         )
         ids = array("Q")
         start = _HEADER.size
-        ids.frombytes(bytes(buf[start : start + 8 * (nbufs + nrel)]))
-        start += 8 * (nbufs + nrel)
-        payload = bytes(buf[start : start + plen])
+        with memoryview(buf) as view:
+            if nbufs or nrel:
+                ids.frombytes(view[start : start + 8 * (nbufs + nrel)])
+                start += 8 * (nbufs + nrel)
+            payload = bytes(view[start : start + plen])
         del buf[:size]
         for released_id in ids[nbufs:]:
             self._on_released(released_id)

@@ -95,16 +95,20 @@ _Settle = tuple[Future[Any], tuple[Any, "BaseException | None"]]
 
 
 class _Job:
-    __slots__ = ("id", "name", "packed", "task")
+    __slots__ = ("future", "id", "name", "packed", "task")
 
     def __init__(self, task: Task, packed: wire.Packed, job_id: int) -> None:
         self.task = task
+        self.future = task.future
         self.name = task.name
         self.packed = packed
         self.id = job_id
         # The pickle is all that is needed now: let the arguments go even
-        # while the future (which refers to the task) is kept.
+        # while the future (which refers to the task) is kept, and break the
+        # future <-> task cycle so a dropped result is freed at once (its
+        # shared memory then goes back to the worker without waiting for gc).
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
+        task.future = None  # type: ignore[assignment]
 
 
 class _Worker:
@@ -252,9 +256,9 @@ class ProcessBackend(Backend):
         pending = self._pending
         while pending and self._idle:
             job = pending.popleft()
-            if job.task.future._claim():
+            if job.future._claim():
                 self._send(self._idle.pop(), job)
-            elif job.task.future.running():
+            elif job.future.running():
                 self._send(self._idle.pop(), job)  # resent after its first worker died
             else:
                 job.packed.discard()  # cancelled
@@ -270,7 +274,7 @@ class ProcessBackend(Backend):
                         if job.packed.segment is not None or len(job.packed.payload) > 16384:
                             return  # big messages only go to a worker that is reading
                         pending.popleft()
-                        if job.task.future._claim() or job.task.future.running():
+                        if job.future._claim() or job.future.running():
                             self._send(worker, job)
                         else:
                             job.packed.discard()
@@ -344,7 +348,7 @@ class ProcessBackend(Backend):
                     stop = self._closed and not self._pending and not self._busy()
                 for job, error in doomed:
                     job.packed.discard()
-                    job.task.future._settle(None, error)
+                    job.future._settle(None, error)
                 if generation != self._generation:
                     handed_off = True
                     continue
@@ -469,7 +473,7 @@ class ProcessBackend(Backend):
             task.record.on_remote_run(
                 frame.t0, frame.t1, worker.pid, worker.pid, f"process worker {worker.index}"
             )
-        future = task.future
+        future = job.future
         try:
             if frame.kind == wire.RESULT:
                 outcome: tuple[Any, BaseException | None] = (frame.loads(), None)
@@ -534,7 +538,7 @@ class ProcessBackend(Backend):
         cause = _describe_exit(returncode)
         if running is not None:
             running.packed.discard()
-            running.task.future._settle(
+            running.future._settle(
                 None,
                 BrokenWorkerError(
                     f"the worker process (pid {worker.pid}) running {running.name}() died: "
@@ -544,7 +548,7 @@ class ProcessBackend(Backend):
             )
         for job in doomed:
             job.packed.discard()
-            job.task.future._settle(
+            job.future._settle(
                 None,
                 BrokenWorkerError(
                     f"{_MAX_START_FAILURES} worker processes in a row died before they were "
@@ -581,7 +585,7 @@ class ProcessBackend(Backend):
                 jobs.extend(worker.inflight)
                 worker.inflight.clear()
         for job in jobs:
-            job.task.future._settle(
+            job.future._settle(
                 None, BrokenWorkerError(f"{self!r} failed internally; see the 'aiopar' log")
             )
         with contextlib.suppress(Exception):
@@ -598,7 +602,7 @@ class ProcessBackend(Backend):
             manager = self._manager
         for job in cancelled:
             job.packed.discard()
-            job.task.future.cancel()
+            job.future.cancel()
         if manager is None:
             with self._wake_lock:
                 if self._wake_r >= 0:
