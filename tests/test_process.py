@@ -115,6 +115,11 @@ def kill_self(sig: int = signal.SIGKILL):
     time.sleep(10)
 
 
+def sleep_then_die(seconds: float):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def exit_now(code: int):
     os._exit(code)
 
@@ -587,3 +592,22 @@ def test_classes_from_main_come_back_as_themselves(pool):
         pool.fork(namespace["boom"], namespace["Point"](3)).wait()
     point = pool.fork(namespace["make"], 5).wait()
     assert type(point) is namespace["Point"] and point.x == 5
+
+
+def test_prefetch_adapts_to_task_length(own_pool):
+    backend = own_pool(1)
+    aiopar.wait_all([backend.fork(add, i) for i in range(200)])
+    assert backend._prefetch_depth() > 4  # tiny tasks: several queued per worker
+    aiopar.wait_all([backend.fork(sleep_then, 0.01, i) for i in range(30)])
+    assert backend._prefetch_depth() == 1  # 10 ms tasks: one
+
+
+def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
+    backend = own_pool(1)
+    aiopar.wait_all([backend.fork(add, i) for i in range(200)])
+    doomed = backend.fork(sleep_then_die, 0.3)
+    queued = [backend.fork(add, i, 1) for i in range(40)]
+    assert len(backend._workers[0].inflight) > 2  # prefetched behind the doomed task
+    with pytest.raises(aiopar.BrokenWorkerError, match="SIGKILL"):
+        doomed.wait(timeout=30)
+    assert [f.wait(timeout=30) for f in queued] == [i + 1 for i in range(40)]
