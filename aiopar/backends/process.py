@@ -19,8 +19,18 @@ Guarantees:
   behind it run on a replacement.
 - A task's exception arrives with its type and, as ``__cause__``, the text
   of the traceback in the worker.
-- ``cancel()`` succeeds until the task is sent to a worker. A waiting thread
-  never runs a process task itself (``stealable`` is false).
+- ``cancel()`` succeeds until the task is sent to a worker (see
+  ``prefetch``). A waiting thread never runs a process task itself
+  (``stealable`` is false): it blocks until a worker has run it.
+- Done-callbacks of process futures run in the backend's manager thread;
+  one that blocks (waiting on another process task, say) hands the
+  manager's job to a new thread, so it cannot stall the pool.
+
+Workers are started with ``subprocess`` (``python -c``, the parent's
+``sys.path``), so the parent's ``__main__`` is never re-imported. Each talks
+to the parent over a Unix socket (see ``_process_wire``); a pidfd tells the
+manager thread at once when a worker dies. POSIX only; the shared-memory
+path needs Linux (elsewhere large buffers go through the socket).
 """
 
 from __future__ import annotations
