@@ -370,11 +370,14 @@ class ProcessBackend(Backend):
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         watched: set[_Worker] = set()
+        settles: list[_Settle] = []
         handed_off = False
         try:
-            while not handed_off:
+            while True:
                 with self._lock:
-                    doomed = self._start_workers()
+                    for job, error in self._start_workers():
+                        job.packed.discard()
+                        settles.append((job.future, (None, error)))
                     for worker in self._workers:
                         if worker not in watched:
                             watched.add(worker)
@@ -383,12 +386,18 @@ class ProcessBackend(Backend):
                             if worker.pidfd is not None:
                                 selector.register(worker.pidfd, selectors.EVENT_READ, worker)
                     stop = self._closed and not self._pending and not self._busy()
-                for job, error in doomed:
-                    job.packed.discard()
-                    job.future._settle(None, error)
-                if generation != self._generation:
-                    handed_off = True
-                    continue
+                # Settled last, right before select() lets go of the GIL, so
+                # a waiter that wakes up finds it free.
+                for i, (future, outcome) in enumerate(settles):
+                    future._settle(*outcome)
+                    if generation != self._generation:
+                        # A callback blocked and a new manager took over;
+                        # it never saw these, so they are settled here.
+                        for future, outcome in settles[i + 1 :]:
+                            future._settle(*outcome)
+                        handed_off = True
+                        return
+                settles.clear()
                 if stop:
                     break
                 # Frames a previous manager read but left unhandled.
@@ -405,22 +414,19 @@ class ProcessBackend(Backend):
                         self._send_releases()
                     elif worker in watched:
                         if key.fileobj is worker.channel:
-                            self._read(worker, generation, selector)
+                            self._read(worker, selector, settles)
                             if worker.eof and worker in self._workers:
                                 with contextlib.suppress(KeyError, ValueError):
                                     selector.unregister(worker.channel)
                         else:
-                            self._worker_died(worker, selector)
+                            self._worker_died(worker, selector, settles)
                         if worker not in self._workers:
                             watched.discard(worker)
-                    if generation != self._generation:
-                        handed_off = True
-                        break
-            else:
-                return  # another manager carries on
             self._stop_workers()
         except BaseException:
             _logger.exception("the manager thread of %r failed; failing its tasks", self)
+            for future, outcome in settles:
+                future._settle(*outcome)
             self._fail_everything()
             raise
         finally:
@@ -463,8 +469,11 @@ class ProcessBackend(Backend):
                 ]
         return []
 
-    def _read(self, worker: _Worker, generation: int, selector: selectors.BaseSelector) -> None:
-        """Handle the frames waiting on the worker's socket."""
+    def _read(
+        self, worker: _Worker, selector: selectors.BaseSelector, settles: list[_Settle]
+    ) -> None:
+        """Handle the frames waiting on the worker's socket, adding the futures
+        to settle to ``settles``."""
         channel = worker.channel
         while True:
             try:
@@ -476,15 +485,12 @@ class ProcessBackend(Backend):
                     if worker in self._idle:
                         self._idle.remove(worker)
                 if worker.pidfd is None:  # no pidfd to tell when it has exited
-                    self._worker_died(worker, selector)
+                    self._worker_died(worker, selector, settles)
                 return
-            settle = self._on_frame(worker, frame) if frame is not None else None
+            if frame is not None and (settle := self._on_frame(worker, frame)):
+                settles.append(settle)
             del frame
-            if settle is not None:
-                future, outcome = settle
-                del settle
-                future._settle(*outcome)
-            if generation != self._generation or not channel.has_frame():
+            if not channel.has_frame():
                 return
 
     def _on_frame(self, worker: _Worker, frame: wire.Frame) -> _Settle | None:
@@ -534,9 +540,11 @@ class ProcessBackend(Backend):
                     with contextlib.suppress(OSError):
                         worker.channel.send(wire.RELEASE, released=ids)
 
-    def _worker_died(self, worker: _Worker, selector: selectors.BaseSelector) -> None:
+    def _worker_died(
+        self, worker: _Worker, selector: selectors.BaseSelector, settles: list[_Settle]
+    ) -> None:
+        """Account for a worker's exit, adding the futures to settle to ``settles``."""
         # Results it sent before it died still count.
-        settles: list[_Settle] = []
         with contextlib.suppress(OSError, EOFError):
             worker.channel.sock.setblocking(False)
             while True:
@@ -571,29 +579,23 @@ class ProcessBackend(Backend):
         worker.channel.close()
         if worker.pidfd is not None:
             os.close(worker.pidfd)
-        for future, outcome in settles:
-            future._settle(*outcome)
         cause = _describe_exit(returncode)
         if running is not None:
             running.packed.discard()
-            running.future._settle(
-                None,
-                BrokenWorkerError(
-                    f"the worker process (pid {worker.pid}) running {running.name}() died: "
-                    f"{cause}. The task's work is lost; other tasks are unaffected and a new "
-                    f"worker replaces it"
-                ),
+            error = BrokenWorkerError(
+                f"the worker process (pid {worker.pid}) running {running.name}() died: "
+                f"{cause}. The task's work is lost; other tasks are unaffected and a new "
+                f"worker replaces it"
             )
+            settles.append((running.future, (None, error)))
         for job in doomed:
             job.packed.discard()
-            job.future._settle(
-                None,
-                BrokenWorkerError(
-                    f"{_MAX_START_FAILURES} worker processes in a row died before they were "
-                    f"ready (the last one {cause}); their error output is above. "
-                    f"{job.name}() was never run"
-                ),
+            error = BrokenWorkerError(
+                f"{_MAX_START_FAILURES} worker processes in a row died before they were "
+                f"ready (the last one {cause}); their error output is above. "
+                f"{job.name}() was never run"
             )
+            settles.append((job.future, (None, error)))
 
     def _stop_workers(self) -> None:
         with self._lock:
