@@ -611,3 +611,10 @@ def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
     with pytest.raises(aiopar.BrokenWorkerError, match="SIGKILL"):
         doomed.wait(timeout=30)
     assert [f.wait(timeout=30) for f in queued] == [i + 1 for i in range(40)]
+
+
+def test_big_values_without_buffers_take_the_socket(pool):
+    words = [f"word {i}" for i in range(300_000)]  # a few MB of pickle, no buffers
+    assert pool.fork(list, words).wait() == words
+    futures = [pool.fork(sorted, words[i::7]) for i in range(7)]
+    assert [f.wait() for f in futures] == [sorted(words[i::7]) for i in range(7)]
