@@ -102,6 +102,7 @@ class Future(Generic[T]):
             if self._state != PENDING:
                 return self._state == CANCELLED
             self._state = CANCELLED
+            self._task = None  # it will never run: let it go
             waiters = self._waiters
             callbacks = self._callbacks
             self._waiters = self._callbacks = None
@@ -240,7 +241,7 @@ class Future(Generic[T]):
             if worker is not None:
                 worker.worker_resumed()
             if profiler is not None:
-                profiler.on_blocked(time.perf_counter() - started, self)
+                profiler.on_blocked(time.perf_counter() - started, task)
         if not done:
             with self._lock:
                 if self._waiters is not None and waiter in self._waiters:

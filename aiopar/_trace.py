@@ -13,9 +13,9 @@ costs one check per task. A recorder implements:
     process) by a backend whose task ran in another process, once that
     worker reported when it ran the task; the times are read with
     :func:`clock` in the worker.
-``on_blocked(seconds, future)``
-    called by a thread after it was blocked for that long in ``wait`` on
-    ``future``.
+``on_blocked(seconds, task)``
+    called by a thread after it was blocked for that long in ``wait`` on the
+    future of ``task`` (``None`` for a future no task settles).
 
 Every timestamp is :func:`clock`: ``time.perf_counter_ns``, which is
 system-wide (CLOCK_MONOTONIC on Linux, QueryPerformanceCounter on Windows,

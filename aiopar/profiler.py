@@ -198,13 +198,13 @@ class _Recorder:
             profile._records.append(record)
         return record
 
-    def on_blocked(self, seconds: float, future: Any) -> None:
+    def on_blocked(self, seconds: float, awaited_task: Any) -> None:
         end = clock()
         task = getattr(_local, "record", None)
         blocked = int(seconds * 1e9)
         if task is not None:
             task.blocked_ns += blocked
-        awaited = getattr(getattr(future, "_task", None), "record", None)
+        awaited = getattr(awaited_task, "record", None)
         wait = _Wait(_this_worker(), end - blocked, end, task, awaited)
         for profile in self.profiles:
             profile._waits.append(wait)

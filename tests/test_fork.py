@@ -337,3 +337,21 @@ def test_fork_async_callable_object():
             return x + 1
 
     assert aiopar.fork(AsyncModel(), 1).wait(timeout=5) == 2
+
+
+def test_a_dropped_future_frees_its_result_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    gc.disable()
+    try:
+        for backend in ("thread", "inline"):
+            fut = aiopar.get_backend(backend).fork(Big)
+            result = weakref.ref(fut.wait())
+            del fut
+            assert result() is None, f"a reference cycle keeps the result alive on {backend}"
+    finally:
+        gc.enable()

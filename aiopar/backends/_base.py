@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import inspect
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from types import FunctionType
+from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, TypeVar
 
 from .. import _loop, _trace
@@ -77,17 +78,34 @@ class Task:
         else:
             outcome = (result, None)
         # Drop the call before settling: callbacks may run for a long time.
+        # A finished future keeps no task either, so no cycle that only the
+        # garbage collector breaks holds on to its result.
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        future._task = None
         if record is not None:
             record.on_end()
         future._settle(*outcome)
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:
-    """Whether calling ``fn`` gives a coroutine to await, not a value."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - an object whose __call__ is async
-    )
+    """Whether calling ``fn`` gives a coroutine to await, not a value.
+
+    Functions, bound methods, partials, builtins and classes are told apart
+    by type first, so the common cases cost no ``inspect`` call.
+    """
+    kind = type(fn)
+    if kind is FunctionType:
+        return bool(fn.__code__.co_flags & _CO_COROUTINE)
+    if kind is MethodType:
+        return is_async_callable(fn.__func__)  # type: ignore[attr-defined]
+    if kind is functools.partial:
+        return is_async_callable(fn.func)  # type: ignore[attr-defined]
+    if kind is BuiltinFunctionType or isinstance(fn, type):
+        return False
+    call = getattr(kind, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    if type(call) is FunctionType:
+        return bool(call.__code__.co_flags & _CO_COROUTINE)
+    return inspect.iscoroutinefunction(fn)
 
 
 def raise_not_callable(fn: object, where: str) -> None:
