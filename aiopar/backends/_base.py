@@ -44,7 +44,7 @@ class Task:
         context: contextvars.Context,
         backend: Backend,
     ) -> None:
-        self.future = future
+        self.future: Future[Any] | None = future
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -66,8 +66,11 @@ class Task:
         """Run the call in this thread and settle the future, unless the task
         was cancelled or another thread claimed it first."""
         future = self.future
-        if not future._claim():
+        if future is None or not future._claim():
             return
+        # A queue may hold this task a while after a waiter ran it: it must
+        # not hold the future, and with it the result, meanwhile.
+        self.future = None
         record = self.record
         if record is not None:
             record.on_start()

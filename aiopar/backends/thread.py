@@ -36,7 +36,8 @@ class _BudgetedTask(Task):
     __slots__ = ()
 
     def run(self) -> None:
-        if self.future._state != PENDING:
+        future = self.future
+        if future is None or future._state != PENDING:
             return  # cancelled, or claimed by another thread
         # "budgeted": this thread runs a task that counts already.
         state = _future_thread_state.__dict__
@@ -177,7 +178,7 @@ class ThreadBackend(Backend):
                 break
             if task is None:
                 stop_sentinels += 1
-            else:
+            elif task.future is not None:
                 task.future.cancel()
         for _ in range(stop_sentinels):
             self._queue.put(None)
