@@ -103,14 +103,10 @@ class Future(Generic[T]):
                 return self._state == CANCELLED
             self._state = CANCELLED
             self._task = None  # it will never run: let it go
-            waiters = self._waiters
-            callbacks = self._callbacks
+            waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
-        if waiters:
-            for waiter in waiters:
-                waiter.release()
-        if callbacks:
-            _run_callbacks(self, callbacks)
+        if waiters or callbacks:
+            _notify(self, waiters, callbacks)
         return True
 
     # -- settling ----------------------------------------------------------
@@ -152,14 +148,10 @@ class Future(Generic[T]):
             self._result = result
             self._exception = exception
             self._state = FINISHED
-            waiters = self._waiters
-            callbacks = self._callbacks
+            waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
-        if waiters:
-            for waiter in waiters:
-                waiter.release()
-        if callbacks:
-            _run_callbacks(self, callbacks)
+        if waiters or callbacks:
+            _notify(self, waiters, callbacks)
         return True
 
     # -- reading -----------------------------------------------------------
@@ -319,6 +311,15 @@ def _check_timeout(timeout: float | None) -> float | None:
             f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}"
         )
     return timeout
+
+
+def _notify(fut: Future[Any], waiters: list[Any] | None, callbacks: list[Any] | None) -> None:
+    """Wake the threads blocked on a future that just became done, then run its callbacks."""
+    if waiters:
+        for waiter in waiters:
+            waiter.release()
+    if callbacks:
+        _run_callbacks(fut, callbacks)
 
 
 def _call_each(fut: Future[Any], callbacks: Any) -> None:
