@@ -60,6 +60,11 @@ def _bridge(key: object, call_soon_threadsafe: Callable[[Callable[[], None]], An
     return bridge
 
 
+def on_event_loop() -> bool:
+    """Whether an asyncio, uvloop or trio loop runs in this thread (a cheap check)."""
+    return asyncio._get_running_loop() is not None or sniffio.thread_local.name is not None
+
+
 def running_async_library() -> str | None:
     """Name of the async library running in this thread, or ``None``."""
     if asyncio._get_running_loop() is not None:

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from budget_helpers import once_alone
 from threadpoolctl import threadpool_info
 
 import aiopar
@@ -66,7 +67,7 @@ def test_each_task_gets_every_intra_op_thread(lane):
         blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
         return aiopar.get_num_threads(), blas
 
-    n, blas = lane.fork(counts).wait()
+    n, blas = lane.fork(once_alone(counts)).wait()
     assert n == cores() and blas == [cores()] * len(blas)
 
 

@@ -10,6 +10,7 @@ import time
 
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
+from budget_helpers import once_alone
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
@@ -69,7 +70,28 @@ def test_idle_process_uses_every_core():
 
 
 def test_a_single_task_gets_every_core():
-    assert aiopar.fork(seen).wait() == seen() == (cores(), [cores()] * len(blas_threads()))
+    expected = (cores(), [cores()] * len(blas_threads()))
+    assert aiopar.fork(once_alone(seen)).wait() == seen() == expected
+
+
+@pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
+def test_a_thread_that_computes_beside_its_fork_counts():
+    started, release = threading.Event(), threading.Event()
+
+    def task():
+        started.set()
+        release.wait(5)
+
+    fut = aiopar.fork(task)
+    try:
+        assert started.wait(5)
+        share = cores() // 2  # the task and this thread, which has not waited yet
+        assert seen() == (share, [share] * len(blas_threads()))
+    finally:
+        release.set()
+    fut.wait()
+    settle()
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
 @pytest.mark.parametrize("k", [2, 3])

@@ -15,8 +15,9 @@ import queue
 import threading
 
 from .. import _config
-from .._future import PENDING
+from .._future import CANCELLED, PENDING
 from .._future import _local as _future_thread_state
+from .._loop import on_event_loop
 from ._base import Backend, Task
 
 __all__ = ["ThreadBackend"]
@@ -27,47 +28,112 @@ _enter_budget = _config.budget.enter
 _leave_budget = _config.budget.leave
 
 
+class _OutsideThread:
+    """The budget's view of a thread outside the pools (the main thread, say).
+
+    Such a thread counts as one running task while it is not blocked in
+    ``wait`` and it either runs a task itself or has forks that have not
+    finished: a thread that forks and goes on computing competes with its
+    forks for the cores (the tutorial's bidirectional LSTM does exactly
+    that). It stands in for a pool in ``Future.wait``'s blocked/resumed calls.
+    """
+
+    __slots__ = ("blocked", "counted", "lock", "running", "unfinished")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.unfinished = 0  # forks of this thread not finished yet
+        self.running = 0  # tasks this thread runs itself, other than its own forks
+        self.blocked = False
+        self.counted = False
+
+    def _recount(self) -> None:
+        # Called with self.lock held.
+        counts = bool(self.unfinished or self.running) and not self.blocked
+        if counts != self.counted:
+            self.counted = counts
+            if counts:
+                _enter_budget()
+            else:
+                _leave_budget()
+
+    def _change(self, unfinished: int = 0, running: int = 0) -> None:
+        with self.lock:
+            self.unfinished += unfinished
+            self.running += running
+            self._recount()
+
+    def worker_blocked(self) -> None:
+        with self.lock:
+            self.blocked = True
+            self._recount()
+
+    def worker_resumed(self) -> None:
+        with self.lock:
+            self.blocked = False
+            self._recount()
+
+
+def _this_thread() -> _OutsideThread | Backend | None:
+    """The pool this thread works for, else its outside-thread record (made on first use)."""
+    state = _future_thread_state.__dict__
+    worker = state.get("worker")
+    if worker is None:
+        worker = state["worker"] = _OutsideThread()
+    return worker
+
+
 class _BudgetedTask(Task):
     """A task of an in-process pool: it counts against the intra-op thread
     budget while it runs, in a worker or in a waiter that runs it itself,
     except while its thread is blocked in ``wait``. A thread counts once,
-    however deeply its tasks nest."""
+    however deeply its tasks nest. ``forker`` is the outside thread that
+    forked it, which counts while the task is unfinished."""
 
-    __slots__ = ()
+    __slots__ = ("forker",)
 
     def run(self) -> None:
         future = self.future
         if future is None or future._state != PENDING:
+            if future is not None and future._state == CANCELLED:
+                self._release_forker()
             return  # cancelled, or claimed by another thread
-        # "budgeted": this thread runs a task that counts already.
+        worker = _this_thread()
+        if type(worker) is _OutsideThread:
+            if worker is self.forker:  # counted already through its fork
+                try:
+                    Task.run(self)
+                finally:
+                    self._release_forker()
+                return
+            worker._change(running=1)
+            try:
+                Task.run(self)
+            finally:
+                worker._change(running=-1)
+                self._release_forker()
+            return
+        # A pool worker: "budgeted" means a task of this thread counts already.
         state = _future_thread_state.__dict__
         if state.get("budgeted"):
-            Task.run(self)
+            try:
+                Task.run(self)
+            finally:
+                self._release_forker()
             return
         state["budgeted"] = True
-        # A thread outside the pools (one that waits and runs the task
-        # itself) reports its blocked waits to the budget through a stand-in.
-        stand_in = state.get("worker") is None
-        if stand_in:
-            state["worker"] = _waiter
         _enter_budget()
         try:
             Task.run(self)
         finally:
             state["budgeted"] = False
-            if stand_in:
-                state["worker"] = None
+            self._release_forker()
             _leave_budget()
 
-
-class _BudgetOnly:
-    """What Future.wait tells when a thread outside the pools blocks in a task."""
-
-    worker_blocked = staticmethod(_leave_budget)
-    worker_resumed = staticmethod(_enter_budget)
-
-
-_waiter = _BudgetOnly()
+    def _release_forker(self) -> None:
+        forker, self.forker = self.forker, None
+        if forker is not None:
+            forker._change(unfinished=-1)
 
 
 class ThreadBackend(Backend):
@@ -105,6 +171,14 @@ class ThreadBackend(Backend):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+            forker = _this_thread()
+            # An event loop's thread awaits its forks rather than computing
+            # beside them, so it does not count.
+            if type(forker) is _OutsideThread and not on_event_loop():
+                task.forker = forker  # type: ignore[attr-defined]
+                forker._change(unfinished=1)
+            else:
+                task.forker = None  # type: ignore[attr-defined]
             self._queue.put(task)
             if len(self._threads) - self._blocked < (self._max_workers or _config.interop_threads):
                 self._start_worker()
@@ -178,7 +252,7 @@ class ThreadBackend(Backend):
                 break
             if task is None:
                 stop_sentinels += 1
-            elif task.future is not None:
-                task.future.cancel()
+            elif task.future is not None and task.future.cancel():
+                task._release_forker()  # type: ignore[attr-defined]
         for _ in range(stop_sentinels):
             self._queue.put(None)
