@@ -5,7 +5,8 @@ Workers start lazily, up to ``max_workers``. A worker that blocks in
 while it waits, and a compensating worker starts if work is queued, so
 nested fork/wait never starves the pool; surplus workers retire once the
 blocked ones come back. Each task counts against the intra-op thread budget
-(see ``_config``) while it runs and its thread is not blocked in ``wait``.
+(see ``_config``) while it runs and its thread is not blocked in ``wait``, and
+so does a thread outside the pools while its forks are unfinished.
 """
 
 from __future__ import annotations
