@@ -213,33 +213,29 @@ class _ThreadBudget:
         """The intra-op thread count right now."""
         if self.explicit is not None:
             return self.explicit
+        return self._share(len(self.tokens))
+
+    def _share(self, running: int) -> int:
         shares = self.shares
-        running = len(self.tokens)
         return shares[running] if running < len(shares) else 1
+
+    def _follow_if_changed(self) -> None:
+        # The lock is taken only when the libraries must change.
+        if self.explicit is None and self._share(len(self.tokens)) != self.applied:
+            with self.lock:
+                self._follow_budget()
 
     def enter(self) -> None:
         """A task starts running (the hot path of every pool: kept lean)."""
-        tokens = self.tokens
-        tokens.append(None)
-        if self.explicit is None:
-            shares = self.shares
-            running = len(tokens)
-            if (shares[running] if running < len(shares) else 1) != self.applied:
-                with self.lock:
-                    self._follow_budget()
+        self.tokens.append(None)
+        self._follow_if_changed()
         if self.per_thread:
             self._apply_this_thread(self.target())
 
     def leave(self) -> None:
         """A task stops running: it ended, or its thread blocks in ``wait``."""
-        tokens = self.tokens
-        tokens.pop()
-        if self.explicit is None:
-            shares = self.shares
-            running = len(tokens)
-            if (shares[running] if running < len(shares) else 1) != self.applied:
-                with self.lock:
-                    self._follow_budget()
+        self.tokens.pop()
+        self._follow_if_changed()
 
     def add_running(self, delta: int) -> None:
         """``delta`` more (or fewer) tasks run now, as for ``delta`` calls of
@@ -250,9 +246,7 @@ class _ThreadBudget:
         else:
             for _ in range(-delta):
                 tokens.pop()
-        if self.explicit is None:
-            with self.lock:
-                self._follow_budget()
+        self._follow_if_changed()
 
     def set_explicit(self, n: int | None, source: str | None) -> None:
         with self.lock:
