@@ -71,9 +71,10 @@ def test_use_backend_is_scoped_and_accepts_instances():
     with mine, aiopar.use_backend(mine) as chosen:
         assert chosen is mine
         assert aiopar.get_backend() is mine
-        assert (
-            aiopar.fork(lambda: threading.current_thread().name).wait().startswith("aiopar-thread")
-        )
+        started = threading.Event()
+        fut = aiopar.fork(lambda: (started.set(), threading.current_thread().name)[1])
+        assert started.wait(5)  # a worker of `mine` took it: this thread never waited
+        assert fut.wait().startswith("aiopar-thread")
     assert aiopar.get_backend() is not mine
 
 
