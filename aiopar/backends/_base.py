@@ -65,12 +65,23 @@ class Task:
     def run(self) -> None:
         """Run the call in this thread and settle the future, unless the task
         was cancelled or another thread claimed it first."""
+        future = self.claim()
+        if future is not None:
+            self.settle(future, self.call())
+
+    def claim(self) -> Future[Any] | None:
+        """The future, now RUNNING, if this thread may run the task; else None."""
         future = self.future
         if future is None or not future._claim():
-            return
+            return None
         # A queue may hold this task a while after a waiter ran it: it must
         # not hold the future, and with it the result, meanwhile.
         self.future = None
+        return future
+
+    def call(self) -> tuple[Any, BaseException | None]:
+        """Call the function (the profiler's start and end around it) and
+        return ``(result, exception)``; nothing it raises escapes."""
         record = self.record
         if record is not None:
             record.on_start()
@@ -81,12 +92,16 @@ class Task:
         else:
             outcome = (result, None)
         # Drop the call before settling: callbacks may run for a long time.
-        # A finished future keeps no task either, so no cycle that only the
-        # garbage collector breaks holds on to its result.
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
-        future._task = None
         if record is not None:
             record.on_end()
+        return outcome
+
+    @staticmethod
+    def settle(future: Future[Any], outcome: tuple[Any, BaseException | None]) -> None:
+        # A finished future keeps no task, so no cycle that only the garbage
+        # collector breaks holds on to its result.
+        future._task = None
         future._settle(*outcome)
 
 

@@ -6,7 +6,7 @@ while it waits, and a compensating worker starts if work is queued, so
 nested fork/wait never starves the pool; surplus workers retire once the
 blocked ones come back. Each task counts against the intra-op thread budget
 (see ``_config``) while it runs and its thread is not blocked in ``wait``, and
-so does a thread outside the pools while its forks are unfinished.
+so does a thread outside the pools while its forks run on workers.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from typing import Any
 
 from .. import _config
-from .._future import CANCELLED, PENDING
 from .._future import _local as _future_thread_state
 from .._loop import on_event_loop
 from ._base import Backend, Task
@@ -33,24 +33,24 @@ class _OutsideThread:
     """The budget's view of a thread outside the pools (the main thread, say).
 
     Such a thread counts as one running task while it is not blocked in
-    ``wait`` and it either runs a task itself or has forks that have not
-    finished: a thread that forks and goes on computing competes with its
-    forks for the cores (the tutorial's bidirectional LSTM does exactly
-    that). It stands in for a pool in ``Future.wait``'s blocked/resumed calls.
+    ``wait`` and either a fork of its own runs on a worker (a thread that
+    forks and goes on computing competes with its forks for the cores, as
+    the tutorial's bidirectional LSTM does) or it runs another thread's task
+    itself. It stands in for a pool in ``Future.wait``'s blocked/resumed calls.
     """
 
-    __slots__ = ("blocked", "counted", "lock", "running", "unfinished")
+    __slots__ = ("blocked", "counted", "forks_running", "lock", "tasks_running")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.unfinished = 0  # forks of this thread not finished yet
-        self.running = 0  # tasks this thread runs itself, other than its own forks
+        self.forks_running = 0  # its forks running on workers now
+        self.tasks_running = 0  # tasks forked elsewhere that it runs itself
         self.blocked = False
         self.counted = False
 
     def _recount(self) -> None:
         # Called with self.lock held.
-        counts = bool(self.unfinished or self.running) and not self.blocked
+        counts = bool(self.forks_running or self.tasks_running) and not self.blocked
         if counts != self.counted:
             self.counted = counts
             if counts:
@@ -58,10 +58,10 @@ class _OutsideThread:
             else:
                 _leave_budget()
 
-    def _change(self, unfinished: int = 0, running: int = 0) -> None:
+    def change(self, *, forks: int = 0, tasks: int = 0) -> None:
         with self.lock:
-            self.unfinished += unfinished
-            self.running += running
+            self.forks_running += forks
+            self.tasks_running += tasks
             self._recount()
 
     def worker_blocked(self) -> None:
@@ -75,7 +75,7 @@ class _OutsideThread:
             self._recount()
 
 
-def _this_thread() -> _OutsideThread | Backend | None:
+def _this_thread() -> _OutsideThread | Backend | Any:
     """The pool this thread works for, else its outside-thread record (made on first use)."""
     state = _future_thread_state.__dict__
     worker = state.get("worker")
@@ -88,53 +88,47 @@ class _BudgetedTask(Task):
     """A task of an in-process pool: it counts against the intra-op thread
     budget while it runs, in a worker or in a waiter that runs it itself,
     except while its thread is blocked in ``wait``. A thread counts once,
-    however deeply its tasks nest. ``forker`` is the outside thread that
-    forked it, which counts while the task is unfinished."""
+    however deeply its tasks nest. While it runs on a worker, the outside
+    thread that forked it (``forker``) counts too."""
 
     __slots__ = ("forker",)
 
     def run(self) -> None:
-        future = self.future
-        if future is None or future._state != PENDING:
-            if future is not None and future._state == CANCELLED:
-                self._release_forker()
-            return  # cancelled, or claimed by another thread
+        future = self.claim()
+        if future is None:
+            return
+        forker, self.forker = self.forker, None
         worker = _this_thread()
         if type(worker) is _OutsideThread:
-            if worker is self.forker:  # counted already through its fork
-                try:
-                    Task.run(self)
-                finally:
-                    self._release_forker()
-                return
-            worker._change(running=1)
+            # Its own fork counts already (the thread counts as itself).
+            counted_here = worker is not forker
+            if counted_here:
+                worker.change(tasks=1)
             try:
-                Task.run(self)
+                outcome = self.call()
             finally:
-                worker._change(running=-1)
-                self._release_forker()
-            return
-        # A pool worker: "budgeted" means a task of this thread counts already.
-        state = _future_thread_state.__dict__
-        if state.get("budgeted"):
+                if counted_here:
+                    worker.change(tasks=-1)
+        else:
+            # A pool worker; "budgeted": a task of this thread counts already.
+            state = _future_thread_state.__dict__
+            nested = state.get("budgeted", False)
+            if not nested:
+                state["budgeted"] = True
+                _enter_budget()
+            if forker is not None:
+                forker.change(forks=1)
             try:
-                Task.run(self)
+                outcome = self.call()
             finally:
-                self._release_forker()
-            return
-        state["budgeted"] = True
-        _enter_budget()
-        try:
-            Task.run(self)
-        finally:
-            state["budgeted"] = False
-            self._release_forker()
-            _leave_budget()
-
-    def _release_forker(self) -> None:
-        forker, self.forker = self.forker, None
-        if forker is not None:
-            forker._change(unfinished=-1)
+                # Uncounted before the future settles, so the forker, which
+                # may be waiting for exactly this, resumes with the right count.
+                if forker is not None:
+                    forker.change(forks=-1)
+                if not nested:
+                    state["budgeted"] = False
+                    _leave_budget()
+        self.settle(future, outcome)
 
 
 class ThreadBackend(Backend):
@@ -175,11 +169,9 @@ class ThreadBackend(Backend):
             forker = _this_thread()
             # An event loop's thread awaits its forks rather than computing
             # beside them, so it does not count.
-            if type(forker) is _OutsideThread and not on_event_loop():
-                task.forker = forker  # type: ignore[attr-defined]
-                forker._change(unfinished=1)
-            else:
-                task.forker = None  # type: ignore[attr-defined]
+            task.forker = (  # type: ignore[attr-defined]
+                forker if type(forker) is _OutsideThread and not on_event_loop() else None
+            )
             self._queue.put(task)
             if len(self._threads) - self._blocked < (self._max_workers or _config.interop_threads):
                 self._start_worker()
@@ -253,7 +245,7 @@ class ThreadBackend(Backend):
                 break
             if task is None:
                 stop_sentinels += 1
-            elif task.future is not None and task.future.cancel():
-                task._release_forker()  # type: ignore[attr-defined]
+            elif task.future is not None:
+                task.future.cancel()
         for _ in range(stop_sentinels):
             self._queue.put(None)
