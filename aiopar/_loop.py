@@ -60,19 +60,21 @@ def _bridge(key: object, call_soon_threadsafe: Callable[[Callable[[], None]], An
     return bridge
 
 
-def on_event_loop() -> bool:
-    """Whether an asyncio, uvloop or trio loop runs in this thread (a cheap check)."""
-    return asyncio._get_running_loop() is not None or sniffio.thread_local.name is not None
-
-
 def running_async_library() -> str | None:
-    """Name of the async library running in this thread, or ``None``."""
+    """Name of the async library whose loop runs in this thread, or ``None``.
+
+    Only thread-bound state is read: sniffio's context variable is copied
+    into forked tasks, so in a worker thread it may name a loop that runs
+    elsewhere.
+    """
     if asyncio._get_running_loop() is not None:
         return "asyncio"
-    try:
-        return sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        return None
+    return sniffio.thread_local.name  # trio sets it while its loop runs here
+
+
+def on_event_loop() -> bool:
+    """Whether an asyncio, uvloop or trio loop runs in this thread."""
+    return running_async_library() is not None
 
 
 def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]:

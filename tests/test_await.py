@@ -222,3 +222,18 @@ async def test_wrap_asyncio_future():
     adopted = aiopar.wrap(source)
     loop.call_later(0.01, source.set_result, "via asyncio")
     assert await adopted == "via asyncio"
+
+
+async def test_a_task_forked_from_a_loop_is_not_on_the_loop():
+    # The forked task runs in a copy of the loop's context; it must still
+    # know it is on a plain worker thread: it may block, and fork coroutines.
+    async def coro():
+        return "coro"
+
+    def task():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return aiopar.fork(coro).wait(timeout=5)
+
+    backend = aiopar.get_backend("thread", max_workers=1)
+    assert await backend.fork(task) == "coro"
