@@ -225,3 +225,36 @@ def test_exit_with_a_coroutine_pending_on_the_owned_loop():
     )
     assert proc.returncode == 0, proc.stderr
     assert "bye" in proc.stdout
+
+
+def test_lowering_the_interop_limit_stops_idle_workers_before_new_tasks_run():
+    old = aiopar.get_num_interop_threads()
+    backend = ThreadBackend()
+    try:
+        aiopar.set_num_interop_threads(4)
+        barrier = threading.Barrier(5, timeout=5)
+        futs = [backend.fork(barrier.wait) for _ in range(4)]
+        barrier.wait()  # four workers run at once
+        aiopar.wait_all(futs)
+        aiopar.set_num_interop_threads(1)
+        running, peak = 0, 0
+        lock = threading.Lock()
+
+        def task():
+            nonlocal running, peak
+            with lock:
+                running += 1
+                peak = max(peak, running)
+            time.sleep(0.01)
+            with lock:
+                running -= 1
+
+        gate = threading.Event()
+        futs = [backend.fork(task) for _ in range(8)]
+        threading.Timer(0.2, gate.set).start()
+        gate.wait()  # not aiopar.wait: this thread runs none of them itself
+        aiopar.wait_all(futs)
+        assert peak == 1
+    finally:
+        aiopar.set_num_interop_threads(old)
+        backend.shutdown()

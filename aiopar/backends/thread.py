@@ -131,6 +131,10 @@ class _BudgetedTask(Task):
         self.settle(future, outcome)
 
 
+#: queued when the worker limit goes down: the idle worker that takes it stops
+_RETIRE: Any = object()
+
+
 class ThreadBackend(Backend):
     """Runs forked tasks on a pool of worker threads.
 
@@ -150,10 +154,11 @@ class ThreadBackend(Backend):
             )
         super().__init__()
         self._max_workers = max_workers
-        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()  # or _RETIRE
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._blocked = 0  # workers waiting in Future.wait
+        self._retiring = 0  # _RETIRE tokens queued
         self._closed = False
         self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
         self._thread_ids = itertools.count()  # names stay unique as workers come and go
@@ -172,8 +177,16 @@ class ThreadBackend(Backend):
             task.forker = (  # type: ignore[attr-defined]
                 forker if type(forker) is _OutsideThread and not on_event_loop() else None
             )
+            limit = self._max_workers or _config.interop_threads
+            live = len(self._threads) - self._blocked
+            if live - self._retiring > limit:
+                # The limit went down: idle workers take these tokens and
+                # stop before any task queued after them can start.
+                for _ in range(live - self._retiring - limit):
+                    self._queue.put(_RETIRE)
+                    self._retiring += 1
             self._queue.put(task)
-            if len(self._threads) - self._blocked < (self._max_workers or _config.interop_threads):
+            if live < limit:
                 self._start_worker()
 
     def _start_worker(self) -> None:
@@ -193,6 +206,10 @@ class ThreadBackend(Backend):
             task = tasks.get()
             if task is None:
                 break
+            if task is _RETIRE:
+                if self._retire(token=True):
+                    return
+                continue
             task.run()
             del task
             if len(self._threads) - self._blocked > self.max_workers and self._retire():
@@ -200,8 +217,11 @@ class ThreadBackend(Backend):
         with self._lock:
             self._threads.discard(threading.current_thread())
 
-    def _retire(self) -> bool:
+    def _retire(self, token: bool = False) -> bool:
+        """Stop this worker if the pool has more than its limit; True if so."""
         with self._lock:
+            if token:
+                self._retiring -= 1
             if len(self._threads) - self._blocked <= self.max_workers:
                 return False
             self._threads.discard(threading.current_thread())
@@ -245,6 +265,8 @@ class ThreadBackend(Backend):
                 break
             if task is None:
                 stop_sentinels += 1
+            elif task is _RETIRE:
+                self._retiring -= 1
             elif task.future is not None:
                 task.future.cancel()
         for _ in range(stop_sentinels):
