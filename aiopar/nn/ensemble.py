@@ -53,15 +53,15 @@ class BidirectionalRecurrentLSTM(Module):
         out = np.empty((steps, batch, hidden_f + self.cell_b.hidden_size), np.float32)
         out_f, out_b = out[:, :, :hidden_f], out[:, :, hidden_f:]
         if self.fork:
-            future = aiopar.fork(_run_into, self.cell_f, x_tm, out_f)
-            _run_into(self.cell_b, x_tm, out_b, reverse=True)
+            future = aiopar.fork(run_direction, self.cell_f, x_tm, out_f)
+            run_direction(self.cell_b, x_tm, out_b, reverse=True)
             result_f = future.wait()
             if result_f is not out_f:
                 # The task ran in another process and sent back a copy.
                 np.copyto(out_f, result_f)
         else:
-            _run_into(self.cell_f, x_tm, out_f)
-            _run_into(self.cell_b, x_tm, out_b, reverse=True)
+            run_direction(self.cell_f, x_tm, out_f)
+            run_direction(self.cell_b, x_tm, out_b, reverse=True)
         return out[:, 0, :] if unbatched else out
 
 
@@ -119,7 +119,9 @@ class LSTMEnsemble(Module):
         return total
 
 
-def _run_into(cell: LSTM, x: np.ndarray, out: np.ndarray, *, reverse: bool = False) -> np.ndarray:
+def run_direction(
+    cell: LSTM, x: np.ndarray, out: np.ndarray, *, reverse: bool = False
+) -> np.ndarray:
     """Write ``cell``'s output for time-major `x` into `out` and return `out`.
 
     Returning the buffer lets a backend that runs the call elsewhere (another
