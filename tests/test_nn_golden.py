@@ -52,7 +52,7 @@ def test_lstm_matches_torch_fixture(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fork_models", "fork_directions"), itertools.product([False, True], repeat=2)
+    ("fork_models", "fork_directions"), list(itertools.product([False, True], repeat=2))
 )
 def test_ensemble_matches_torch_fixture(fork_models: bool, fork_directions: bool) -> None:
     config, params, data = load_fixture(FIXTURES / "ensemble.npz")
