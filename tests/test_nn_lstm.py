@@ -264,3 +264,10 @@ def test_wrong_hx_shape_names_the_expected_shape() -> None:
 def test_bad_constructor_arguments(args, match) -> None:
     with pytest.raises(ValueError, match=match):
         LSTM(*args)
+
+
+def test_torch_style_positional_dropout_is_refused_not_read_as_bidirectional():
+    with pytest.raises(TypeError, match="no dropout"):
+        LSTM(10, 20, 2, True, False, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="batch_first must be True or False"):
+        LSTM(10, 20, batch_first=1)  # type: ignore[arg-type]

@@ -71,6 +71,18 @@ class LSTM(Module):
         ):
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
                 raise ValueError(f"LSTM {name} must be an integer >= {low}, got {value!r}")
+        for name, value in (("bias", bias), ("batch_first", batch_first)):
+            if not isinstance(value, bool | np.bool_):
+                raise TypeError(f"LSTM {name} must be True or False, got {value!r}")
+        if not isinstance(bidirectional, bool | np.bool_):
+            # torch.nn.LSTM's sixth positional argument is dropout, which an
+            # inference-only port does not take: refuse it rather than read
+            # LSTM(10, 20, 2, True, False, 0.5) as bidirectional.
+            raise TypeError(
+                f"LSTM bidirectional must be True or False, got {bidirectional!r}; "
+                "aiopar.nn.LSTM has no dropout (inference only), so pass options from "
+                "torch.nn.LSTM by keyword"
+            )
         self.input_size = int(input_size)
         self.hidden_size = int(hidden_size)
         self.num_layers = int(num_layers)
