@@ -100,11 +100,10 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
     """
     futures = _future_list(futs, "wait_all()")
     for fut in futures:
-        if not fut.done():
-            task = fut._task
-            if task is not None and task.stealable:
-                task.run()
-        if fut.done() and not fut.cancelled() and fut._exception is not None:
+        task = fut._task  # None once done
+        if task is not None and task.stealable:
+            task.run()  # does nothing unless the task has not started
+        if fut._exception is not None:  # set only on a finished, failed future
             raise fut._exception
     pending = [fut for fut in futures if not fut.done()]
     if pending:
