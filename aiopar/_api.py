@@ -18,7 +18,7 @@ import anyio
 from . import _loop
 from ._config import current_backend
 from ._errors import CancelledError
-from ._future import Future
+from ._future import Future, check_timeout
 
 __all__ = [
     "TaskGroup",
@@ -139,8 +139,7 @@ class _AsCompleted(Iterator[Future[T]], AsyncIterator[Future[T]]):
 
     def __init__(self, futs: Iterable[Future[T]], timeout: float | None) -> None:
         futures = list(dict.fromkeys(_future_list(futs, "as_completed()")))
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        check_timeout(timeout)
         self._total = self._remaining = len(futures)
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout

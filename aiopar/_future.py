@@ -179,7 +179,7 @@ class Future(Generic[T]):
         of workers. Raises TimeoutError if ``timeout`` seconds pass first.
         """
         if timeout is not None:
-            _check_timeout(timeout)
+            check_timeout(timeout)
         if self._state < CANCELLED and not self._block(timeout):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         return self.value()
@@ -194,7 +194,7 @@ class Future(Generic[T]):
         Raises CancelledError if the future was cancelled, TimeoutError if
         ``timeout`` seconds pass first.
         """
-        if not self._block(_check_timeout(timeout)):
+        if not self._block(check_timeout(timeout)):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         if self._state == CANCELLED:
             raise CancelledError(f"{self!r} was cancelled before its task started")
@@ -305,7 +305,8 @@ class _UntilDone:
             yield from _loop.wait_on_loop(self._fut, cancel=False)
 
 
-def _check_timeout(timeout: float | None) -> float | None:
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` itself if it is None or a number of seconds >= 0; else ValueError."""
     if timeout is not None and not timeout >= 0:
         raise ValueError(
             f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}"
