@@ -233,7 +233,17 @@ class _ThreadBudget:
             self._apply_this_thread(self.target())
 
     def leave(self) -> None:
-        """A task stops running: it ended, or its thread blocks in ``wait``."""
+        """A task ended. The threads it leaves come back only once nothing
+        runs: the next task usually starts at once, and changing BLAS costs
+        microseconds, so short tasks would otherwise flip it all the time."""
+        tokens = self.tokens
+        tokens.pop()
+        if not tokens:
+            self._follow_if_changed()
+
+    def block(self) -> None:
+        """A running task's thread blocks in ``wait``: its share goes to the
+        tasks still running at once (it may wait for them a long time)."""
         self.tokens.pop()
         self._follow_if_changed()
 
@@ -243,10 +253,12 @@ class _ThreadBudget:
         tokens = self.tokens
         if delta > 0:
             tokens.extend([None] * delta)
+            self._follow_if_changed()
         else:
             for _ in range(-delta):
                 tokens.pop()
-        self._follow_if_changed()
+            if not tokens:
+                self._follow_if_changed()
 
     def set_explicit(self, n: int | None, source: str | None) -> None:
         with self.lock:

@@ -206,3 +206,15 @@ def test_omp_num_threads_at_import_is_an_explicit_setting():
     ).stdout
     assert out.splitlines()[0] == "3"
     assert "set by OMP_NUM_THREADS" in out
+
+
+def test_a_batch_of_short_tasks_does_not_flip_blas_at_every_task(monkeypatch):
+    # Changing BLAS threads costs microseconds: tasks that end give their
+    # threads back only once nothing runs, not each time one finishes.
+    changes = []
+    apply = budget._apply
+    monkeypatch.setattr(budget, "_apply", lambda n: (changes.append(n), apply(n)))
+    aiopar.wait_all([aiopar.fork(len, ()) for _ in range(2_000)])
+    settle()
+    assert len(changes) < 20, f"{len(changes)} BLAS changes for 2,000 tasks"
+    assert seen() == (cores(), [cores()] * len(blas_threads()))

@@ -6,7 +6,7 @@ while it waits, and a compensating worker starts if work is queued, so
 nested fork/wait never starves the pool; surplus workers retire once the
 blocked ones come back. Each task counts against the intra-op thread budget
 (see ``_config``) while it runs and its thread is not blocked in ``wait``, and
-so does a thread outside the pools while its forks run on workers.
+so does a thread outside the pools that computes beside its forks.
 """
 
 from __future__ import annotations
@@ -27,41 +27,70 @@ _backend_ids = itertools.count(1)
 
 _enter_budget = _config.budget.enter
 _leave_budget = _config.budget.leave
+_block_budget = _config.budget.block
 
 
 class _OutsideThread:
     """The budget's view of a thread outside the pools (the main thread, say).
 
     Such a thread counts as one running task while it is not blocked in
-    ``wait`` and either a fork of its own runs on a worker (a thread that
-    forks and goes on computing competes with its forks for the cores, as
-    the tutorial's bidirectional LSTM does) or it runs another thread's task
-    itself. It stands in for a pool in ``Future.wait``'s blocked/resumed calls.
+    ``wait`` and either runs another thread's task itself, or has unfinished
+    forks of which a worker has started one: a thread that forks and goes on
+    computing competes with its forks for the cores, as the tutorial's
+    bidirectional LSTM does. Until a worker starts one of its forks it does
+    not count, so a fork it runs itself (``wait(fork(f))``) costs the budget
+    nothing. It stands in for a pool in ``Future.wait``'s blocked/resumed calls.
     """
 
-    __slots__ = ("blocked", "counted", "forks_running", "lock", "tasks_running")
+    __slots__ = (
+        "blocked",
+        "counted",
+        "forks_unfinished",
+        "lock",
+        "sharing",
+        "tasks_running",
+    )
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.forks_running = 0  # its forks running on workers now
+        self.forks_unfinished = 0  # its forks not finished (nor cancelled) yet
+        self.sharing = False  # a worker started one of them since it had none
         self.tasks_running = 0  # tasks forked elsewhere that it runs itself
         self.blocked = False
         self.counted = False
 
     def _recount(self) -> None:
         # Called with self.lock held.
-        counts = bool(self.forks_running or self.tasks_running) and not self.blocked
+        counts = (self.sharing or bool(self.tasks_running)) and not self.blocked
         if counts != self.counted:
             self.counted = counts
             if counts:
                 _enter_budget()
+            elif self.blocked:
+                _block_budget()
             else:
                 _leave_budget()
 
-    def change(self, *, forks: int = 0, tasks: int = 0) -> None:
+    def forked(self) -> None:
         with self.lock:
-            self.forks_running += forks
-            self.tasks_running += tasks
+            self.forks_unfinished += 1
+
+    def fork_started_on_worker(self) -> None:
+        with self.lock:
+            if not self.sharing:
+                self.sharing = True
+                self._recount()
+
+    def fork_finished(self) -> None:
+        with self.lock:
+            self.forks_unfinished -= 1
+            if self.sharing and not self.forks_unfinished:
+                self.sharing = False
+                self._recount()
+
+    def running_other_task(self, delta: int) -> None:
+        with self.lock:
+            self.tasks_running += delta
             self._recount()
 
     def worker_blocked(self) -> None:
@@ -88,27 +117,32 @@ class _BudgetedTask(Task):
     """A task of an in-process pool: it counts against the intra-op thread
     budget while it runs, in a worker or in a waiter that runs it itself,
     except while its thread is blocked in ``wait``. A thread counts once,
-    however deeply its tasks nest. While it runs on a worker, the outside
-    thread that forked it (``forker``) counts too."""
+    however deeply its tasks nest. Until it finishes, the outside thread that
+    forked it (``forker``) counts too."""
 
     __slots__ = ("forker",)
 
     def run(self) -> None:
         future = self.claim()
         if future is None:
+            if self.future is not None:  # cancelled: it will never run
+                self.release_forker()
             return
         forker, self.forker = self.forker, None
         worker = _this_thread()
         if type(worker) is _OutsideThread:
-            # Its own fork counts already (the thread counts as itself).
+            # A fork run by the thread that forked it changes nothing: that
+            # thread was going to compute anyway.
             counted_here = worker is not forker
             if counted_here:
-                worker.change(tasks=1)
+                worker.running_other_task(1)
             try:
                 outcome = self.call()
             finally:
                 if counted_here:
-                    worker.change(tasks=-1)
+                    worker.running_other_task(-1)
+                if forker is not None:
+                    forker.fork_finished()
         else:
             # A pool worker; "budgeted": a task of this thread counts already.
             state = _future_thread_state.__dict__
@@ -117,18 +151,23 @@ class _BudgetedTask(Task):
                 state["budgeted"] = True
                 _enter_budget()
             if forker is not None:
-                forker.change(forks=1)
+                forker.fork_started_on_worker()
             try:
                 outcome = self.call()
             finally:
                 # Uncounted before the future settles, so the forker, which
                 # may be waiting for exactly this, resumes with the right count.
                 if forker is not None:
-                    forker.change(forks=-1)
+                    forker.fork_finished()
                 if not nested:
                     state["budgeted"] = False
                     _leave_budget()
         self.settle(future, outcome)
+
+    def release_forker(self) -> None:
+        forker, self.forker = self.forker, None
+        if forker is not None:
+            forker.fork_finished()
 
 
 #: queued when the worker limit goes down: the idle worker that takes it stops
@@ -174,9 +213,11 @@ class ThreadBackend(Backend):
             forker = _this_thread()
             # An event loop's thread awaits its forks rather than computing
             # beside them, so it does not count.
-            task.forker = (  # type: ignore[attr-defined]
-                forker if type(forker) is _OutsideThread and not on_event_loop() else None
-            )
+            if type(forker) is _OutsideThread and not on_event_loop():
+                task.forker = forker  # type: ignore[attr-defined]
+                forker.forked()
+            else:
+                task.forker = None  # type: ignore[attr-defined]
             limit = self._max_workers or _config.interop_threads
             live = len(self._threads) - self._blocked
             if live - self._retiring > limit:
@@ -230,7 +271,7 @@ class ThreadBackend(Backend):
     # Called by Future.wait in a worker thread of this pool. A blocked worker
     # also leaves its share of the thread budget to the tasks still running.
     def worker_blocked(self) -> None:
-        _leave_budget()
+        _block_budget()
         with self._lock:
             self._blocked += 1
             if not self._queue.empty() and len(self._threads) - self._blocked < self.max_workers:
@@ -267,7 +308,9 @@ class ThreadBackend(Backend):
                 stop_sentinels += 1
             elif task is _RETIRE:
                 self._retiring -= 1
-            elif task.future is not None:
-                task.future.cancel()
+            else:
+                if task.future is not None:
+                    task.future.cancel()
+                task.release_forker()  # type: ignore[attr-defined]
         for _ in range(stop_sentinels):
             self._queue.put(None)
