@@ -72,23 +72,7 @@ def collect_all(futs: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
     fails, whatever they did (``torch.futures.collect_all``).
     """
     futures = _future_list(futs, "collect_all()")
-    collected: Future[list[Future[Any]]] = Future()
-    remaining = len(futures)
-    lock = threading.Lock()
-
-    def one_done(_: Future[Any]) -> None:
-        nonlocal remaining
-        with lock:
-            remaining -= 1
-            last = remaining == 0
-        if last:
-            collected._settle(futures, None)
-
-    if not futures:
-        collected._settle([], None)
-    for fut in futures:
-        fut.add_done_callback(one_done)
-    return collected
+    return _when_all(futures, futures, fail_fast=False)
 
 
 def wait_all(futs: Iterable[Future[T]]) -> list[T]:
@@ -107,28 +91,32 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
             raise fut._exception
     pending = [fut for fut in futures if not fut.done()]
     if pending:
-        _all_or_first_failure(pending).wait()
+        _when_all(pending, None, fail_fast=True).wait()
     return [fut.value() for fut in futures]
 
 
-def _all_or_first_failure(futures: list[Future[Any]]) -> Future[None]:
-    """Done when all of ``futures`` are, or failed as soon as one fails."""
-    outcome: Future[None] = Future()
+def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Future[T]:
+    """A future settled with ``value`` once all of ``futures`` are done; with
+    ``fail_fast``, failed as soon as one of them fails or is cancelled."""
+    outcome: Future[T] = Future()
     remaining = len(futures)
     lock = threading.Lock()
 
     def one_done(fut: Future[Any]) -> None:
         nonlocal remaining
-        if fut.cancelled():
-            outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
-        elif fut._exception is not None:
-            outcome._settle(None, fut._exception)
+        if fail_fast:
+            if fut.cancelled():
+                outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
+            elif fut._exception is not None:
+                outcome._settle(None, fut._exception)
         with lock:
             remaining -= 1
             last = remaining == 0
         if last:
-            outcome._settle(None, None)
+            outcome._settle(value, None)
 
+    if not futures:
+        outcome._settle(value, None)
     for fut in futures:
         fut.add_done_callback(one_done)
     return outcome

@@ -135,13 +135,8 @@ class Future(Generic[T]):
             self._state = RUNNING
             return True
 
-    def _settle_result(self, result: Any) -> bool:
-        return self._settle(result, None)
-
-    def _settle_exception(self, exception: BaseException) -> bool:
-        return self._settle(None, exception)
-
     def _settle(self, result: Any, exception: BaseException | None) -> bool:
+        """FINISHED with this outcome; False if the future was done already."""
         with self._lock:
             if self._state >= CANCELLED:
                 return False

@@ -204,13 +204,13 @@ def start_coroutine(
             result = await fn(*args, **kwargs)
         except BaseException as exc:
             if not _is_cancellation(exc):
-                fut._settle_exception(exc)
+                fut._settle(None, exc)
                 return
             error = CancelledError("the event loop running this coroutine cancelled it")
             error.__cause__ = exc
-            fut._settle_exception(error)
+            fut._settle(None, error)
             raise  # a task must not swallow its own cancellation
-        fut._settle_result(result)
+        fut._settle(result, None)
 
     library = running_async_library()
     if library == "asyncio":
