@@ -126,6 +126,14 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
+def check_max_workers(max_workers: object) -> None:
+    """Refuse a worker count that is not None or a whole number >= 1."""
+    if max_workers is not None and (
+        not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1
+    ):
+        raise ValueError(f"max_workers must be a whole number >= 1 or None, got {max_workers!r}")
+
+
 def raise_not_callable(fn: object, where: str) -> None:
     raise TypeError(
         f"{where} needs a callable as its first argument, got {type(fn).__name__} {fn!r:.60}; "

@@ -57,7 +57,7 @@ from .._errors import BrokenWorkerError
 from .._future import Future
 from .._future import _local as _future_thread_state
 from . import _process_wire as wire
-from ._base import Backend, Task
+from ._base import Backend, Task, check_max_workers
 
 __all__ = ["ProcessBackend", "RemoteTraceback"]
 
@@ -193,12 +193,7 @@ class ProcessBackend(Backend):
     stealable = False
 
     def __init__(self, max_workers: int | None = None, *, prefetch: int | None = None) -> None:
-        if max_workers is not None and (
-            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1
-        ):
-            raise ValueError(
-                f"max_workers must be a whole number >= 1 or None, got {max_workers!r}"
-            )
+        check_max_workers(max_workers)
         if prefetch is not None and (
             not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0
         ):

@@ -19,7 +19,7 @@ from typing import Any
 from .. import _config
 from .._future import _local as _future_thread_state
 from .._loop import on_event_loop
-from ._base import Backend, Task
+from ._base import Backend, Task, check_max_workers
 
 __all__ = ["ThreadBackend"]
 
@@ -185,12 +185,7 @@ class ThreadBackend(Backend):
     task_class = _BudgetedTask
 
     def __init__(self, max_workers: int | None = None) -> None:
-        if max_workers is not None and (
-            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1
-        ):
-            raise ValueError(
-                f"max_workers must be a whole number >= 1 or None, got {max_workers!r}"
-            )
+        check_max_workers(max_workers)
         super().__init__()
         self._max_workers = max_workers
         self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()  # or _RETIRE
