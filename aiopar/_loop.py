@@ -2,7 +2,8 @@
 
 Completions reach a loop in batches: the first completion posted to an idle
 bridge schedules one thread-safe wake-up, and every completion that arrives
-before the loop runs it rides along. Coroutines forked outside any running
+before the loop runs it rides along. On Linux, asyncio and uvloop loops are
+woken through an eventfd they watch. Coroutines forked outside any running
 loop run on a loop thread owned by aiopar (uvloop when it is installed).
 """
 
@@ -11,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
+import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -22,19 +26,19 @@ from ._errors import CancelledError
 
 __all__ = ["owned_loop", "running_async_library", "start_coroutine", "wait_on_loop"]
 
-_local = threading.local()
-
 
 class _Bridge:
-    """Runs callables on one event loop, one thread-safe wake-up per batch."""
+    """Runs callables on one event loop's thread, one wake-up per batch.
 
-    __slots__ = ("_batch", "_call_soon_threadsafe", "_lock", "key")
+    ``wake`` must make the loop call :meth:`drain` soon, from any thread.
+    """
 
-    def __init__(self, key: object, call_soon_threadsafe: Callable[[Callable[[], None]], Any]):
-        self.key = key
-        self._call_soon_threadsafe = call_soon_threadsafe
+    __slots__ = ("_batch", "_lock", "wake")
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._batch: list[Callable[[], None]] = []
+        self.wake: Callable[[], Any] = _nothing
 
     def post(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -42,22 +46,79 @@ class _Bridge:
             if len(self._batch) > 1:
                 return  # a wake-up is already on its way and will run fn too
         with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to wake
-            self._call_soon_threadsafe(self._drain)
+            self.wake()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         with self._lock:
             batch, self._batch = self._batch, []
         for fn in batch:
             fn()
 
 
-def _bridge(key: object, call_soon_threadsafe: Callable[[Callable[[], None]], Any]) -> _Bridge:
-    # One loop runs in a thread at a time, so the thread's last bridge is
-    # almost always the right one.
-    bridge = getattr(_local, "bridge", None)
-    if bridge is None or bridge.key is not key:
-        bridge = _local.bridge = _Bridge(key, call_soon_threadsafe)
+def _nothing() -> None:
+    pass
+
+
+# Keyed weakly by loop (or trio token): a bridge must not keep its loop alive.
+_bridges: weakref.WeakKeyDictionary[Any, _Bridge] = weakref.WeakKeyDictionary()
+_bridges_lock = threading.Lock()
+
+
+def _bridge(key: Any, new_bridge: Callable[[Any], _Bridge]) -> _Bridge:
+    bridge = _bridges.get(key)
+    if bridge is None:
+        with _bridges_lock:
+            bridge = _bridges.get(key)
+            if bridge is None:
+                bridge = _bridges[key] = new_bridge(key)
     return bridge
+
+
+def _asyncio_bridge(loop: asyncio.AbstractEventLoop) -> _Bridge:
+    """A bridge woken through an eventfd the loop watches, where there can be one.
+
+    That costs the waking thread one write and the loop one read, where
+    ``call_soon_threadsafe`` adds a handle, a self-pipe drained by two reads
+    and a second pass of the loop; a sequential ``await fork(f)`` measures
+    about a third faster on asyncio.
+    """
+    bridge = _Bridge()
+    try:
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    except AttributeError:  # not Linux
+        return _call_soon_bridge(bridge, loop, "call_soon_threadsafe")
+
+    def on_readable() -> None:
+        with contextlib.suppress(BlockingIOError):  # a late write already drained
+            os.eventfd_read(fd)
+        bridge.drain()
+
+    try:
+        loop.add_reader(fd, on_readable)
+    except NotImplementedError:  # the proactor loop watches no fds
+        os.close(fd)
+        return _call_soon_bridge(bridge, loop, "call_soon_threadsafe")
+    bridge.wake = functools.partial(os.eventfd_write, fd, 1)
+    # Nothing can post once the loop is gone: every posted callable holds
+    # an awaiting future of that loop.
+    weakref.finalize(loop, os.close, fd)
+    return bridge
+
+
+def _call_soon_bridge(bridge: _Bridge, loop: Any, method: str) -> _Bridge:
+    loop_ref = weakref.ref(loop)
+
+    def wake() -> None:
+        loop = loop_ref()
+        if loop is not None:
+            getattr(loop, method)(bridge.drain)
+
+    bridge.wake = wake
+    return bridge
+
+
+def _trio_bridge(token: Any) -> _Bridge:
+    return _call_soon_bridge(_Bridge(), token, "run_sync_soon")
 
 
 def running_async_library() -> str | None:
@@ -91,7 +152,7 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
             if not waiter.done():
                 waiter.set_result(None)
 
-        bridge = _bridge(loop, loop.call_soon_threadsafe)
+        bridge = _bridge(loop, _asyncio_bridge)
         fut.add_done_callback(lambda _: bridge.post(wake))
         try:
             yield from waiter
@@ -127,7 +188,7 @@ async def _wait_on_trio(fut: Any, cancel: bool) -> None:
             fut.cancel()
         return trio.lowlevel.Abort.SUCCEEDED
 
-    bridge = _bridge(token, token.run_sync_soon)
+    bridge = _bridge(token, _trio_bridge)
     fut.add_done_callback(lambda _: bridge.post(wake))
     await trio.lowlevel.wait_task_rescheduled(abort)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 import traceback
 import warnings
+import weakref
 
 import anyio
 import pytest
@@ -237,3 +240,38 @@ async def test_a_task_forked_from_a_loop_is_not_on_the_loop():
 
     backend = aiopar.get_backend("thread", max_workers=1)
     assert await backend.fork(task) == "coro"
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds through /proc")
+@pytest.mark.parametrize("loop_factory", ["asyncio", "uvloop"])
+def test_a_loop_that_awaited_forks_leaves_no_fd_and_is_not_kept_alive(loop_factory):
+    if loop_factory == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        new_loop = uvloop.new_event_loop
+    else:
+        import asyncio
+
+        new_loop = asyncio.new_event_loop
+
+    async def main():
+        assert await aiopar.fork(square, 3) == 9
+
+    def run_once():
+        loop = new_loop()
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        return weakref.ref(loop)
+
+    run_once()  # the first run may open fds that stay (the pool's threads, say)
+    gc.collect()
+    before = _open_fds()
+    refs = [run_once() for _ in range(20)]
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert _open_fds() <= before

@@ -11,8 +11,8 @@ so does a thread outside the pools that computes beside its forks.
 
 from __future__ import annotations
 
+import collections
 import itertools
-import queue
 import threading
 from typing import Any
 
@@ -170,10 +170,6 @@ class _BudgetedTask(Task):
             forker.fork_finished()
 
 
-#: queued when the worker limit goes down: the idle worker that takes it stops
-_RETIRE: Any = object()
-
-
 class ThreadBackend(Backend):
     """Runs forked tasks on a pool of worker threads.
 
@@ -188,11 +184,16 @@ class ThreadBackend(Backend):
         check_max_workers(max_workers)
         super().__init__()
         self._max_workers = max_workers
-        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()  # or _RETIRE
+        self._tasks: collections.deque[Task] = collections.deque()
+        # Each idle worker sleeps on a lock of its own, so a fork wakes exactly
+        # one worker (a shared queue's lock wakes a second one that finds
+        # nothing to do). The one idle longest goes first: waking the one that
+        # has only just gone to sleep made a sequential `await fork(f)` twice
+        # as slow on a 2-core VM.
+        self._idle: collections.deque[threading.Lock] = collections.deque()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._blocked = 0  # workers waiting in Future.wait
-        self._retiring = 0  # _RETIRE tokens queued
         self._closed = False
         self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
         self._thread_ids = itertools.count()  # names stay unique as workers come and go
@@ -213,54 +214,55 @@ class ThreadBackend(Backend):
                 forker.forked()
             else:
                 task.forker = None  # type: ignore[attr-defined]
-            limit = self._max_workers or _config.interop_threads
-            live = len(self._threads) - self._blocked
-            if live - self._retiring > limit:
-                # The limit went down: idle workers take these tokens and
-                # stop before any task queued after them can start.
-                for _ in range(live - self._retiring - limit):
-                    self._queue.put(_RETIRE)
-                    self._retiring += 1
-            self._queue.put(task)
-            if live < limit:
-                self._start_worker()
+            self._tasks.append(task)
+            self._wake_worker()
 
-    def _start_worker(self) -> None:
+    def _wake_worker(self) -> None:
         # Called with self._lock held.
-        thread = threading.Thread(
-            target=self._work, name=f"{self._thread_names}-{next(self._thread_ids)}", daemon=True
-        )
-        self._threads.add(thread)
-        thread.start()
-        if self._closed:
-            self._queue.put(None)  # its own stop sentinel
+        if self._idle:
+            self._idle.popleft().release()
+        elif len(self._threads) - self._blocked < self.max_workers:
+            thread = threading.Thread(
+                target=self._work,
+                name=f"{self._thread_names}-{next(self._thread_ids)}",
+                daemon=True,
+            )
+            self._threads.add(thread)
+            thread.start()
 
     def _work(self) -> None:
         _future_thread_state.worker = self
-        tasks = self._queue
+        tasks = self._tasks
+        wake_up = threading.Lock()
+        wake_up.acquire()
         while True:
-            task = tasks.get()
-            if task is None:
-                break
-            if task is _RETIRE:
-                if self._retire(token=True):
-                    return
+            # Over the limit (it went down, or a blocked worker came back):
+            # stop before taking another task.
+            if len(self._threads) - self._blocked > self.max_workers and self._retire():
+                return
+            try:
+                task = tasks.popleft()
+            except IndexError:
+                with self._lock:
+                    if tasks:
+                        continue
+                    if self._closed:
+                        self._threads.discard(threading.current_thread())
+                        return
+                    self._idle.append(wake_up)
+                wake_up.acquire()  # released by the fork that has work for it
                 continue
             task.run()
             del task
-            if len(self._threads) - self._blocked > self.max_workers and self._retire():
-                return
-        with self._lock:
-            self._threads.discard(threading.current_thread())
 
-    def _retire(self, token: bool = False) -> bool:
+    def _retire(self) -> bool:
         """Stop this worker if the pool has more than its limit; True if so."""
         with self._lock:
-            if token:
-                self._retiring -= 1
             if len(self._threads) - self._blocked <= self.max_workers:
                 return False
             self._threads.discard(threading.current_thread())
+            if self._tasks:
+                self._wake_worker()  # the wake-up that came here was for a task
             return True
 
     # Called by Future.wait in a worker thread of this pool. A blocked worker
@@ -269,8 +271,8 @@ class ThreadBackend(Backend):
         _block_budget()
         with self._lock:
             self._blocked += 1
-            if not self._queue.empty() and len(self._threads) - self._blocked < self.max_workers:
-                self._start_worker()
+            if self._tasks:
+                self._wake_worker()
 
     def worker_resumed(self) -> None:
         with self._lock:
@@ -280,32 +282,17 @@ class ThreadBackend(Backend):
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
         with self._lock:
             if cancel_pending:
-                self._cancel_queued()
-            if not self._closed:
-                self._closed = True
-                for _ in self._threads:
-                    self._queue.put(None)
+                while self._tasks:
+                    task = self._tasks.popleft()
+                    if task.future is not None:
+                        task.future.cancel()
+                    task.release_forker()  # type: ignore[attr-defined]
+            self._closed = True  # workers run what is queued, then stop
+            while self._idle:
+                self._idle.popleft().release()
             threads = list(self._threads)
         if wait:
             me = threading.current_thread()
             for thread in threads:
                 if thread is not me:
                     thread.join()
-
-    def _cancel_queued(self) -> None:
-        stop_sentinels = 0
-        while True:
-            try:
-                task = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if task is None:
-                stop_sentinels += 1
-            elif task is _RETIRE:
-                self._retiring -= 1
-            else:
-                if task.future is not None:
-                    task.future.cancel()
-                task.release_forker()  # type: ignore[attr-defined]
-        for _ in range(stop_sentinels):
-            self._queue.put(None)
