@@ -191,6 +191,7 @@ class ThreadBackend(Backend):
         # has only just gone to sleep made a sequential `await fork(f)` twice
         # as slow on a 2-core VM.
         self._idle: collections.deque[threading.Lock] = collections.deque()
+        self._waking = 0  # idle workers woken that have not looked at the queue yet
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._blocked = 0  # workers waiting in Future.wait
@@ -215,12 +216,14 @@ class ThreadBackend(Backend):
             else:
                 task.forker = None  # type: ignore[attr-defined]
             self._tasks.append(task)
-            self._wake_worker()
+            if len(self._tasks) > self._waking:  # else a worker on its way takes it
+                self._wake_worker()
 
     def _wake_worker(self) -> None:
         # Called with self._lock held.
         if self._idle:
             self._idle.popleft().release()
+            self._waking += 1
         elif len(self._threads) - self._blocked < self.max_workers:
             thread = threading.Thread(
                 target=self._work,
@@ -251,6 +254,8 @@ class ThreadBackend(Backend):
                         return
                     self._idle.append(wake_up)
                 wake_up.acquire()  # released by the fork that has work for it
+                with self._lock:
+                    self._waking -= 1
                 continue
             task.run()
             del task
@@ -290,6 +295,7 @@ class ThreadBackend(Backend):
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
                 self._idle.popleft().release()
+                self._waking += 1
             threads = list(self._threads)
         if wait:
             me = threading.current_thread()
