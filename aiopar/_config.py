@@ -242,10 +242,16 @@ class _ThreadBudget:
         if not tokens:
             self._follow_if_changed()
 
-    def block(self) -> None:
-        """A running task's thread blocks in ``wait``: its share goes to the
-        tasks still running at once (it may wait for them a long time)."""
+    def drop(self) -> None:
+        """A task counted ahead of its start will not start after all (its
+        forker runs it, or it was cancelled): its share goes to the tasks
+        still running at once."""
         self.tokens.pop()
+        self._follow_if_changed()
+
+    def follow(self) -> None:
+        """Apply the count for the tasks running now, more threads included:
+        a thread blocked in ``wait`` long enough leaves them its cores."""
         self._follow_if_changed()
 
     def add_running(self, delta: int) -> None:

@@ -30,9 +30,17 @@ _logger = logging.getLogger("aiopar")
 
 # Per-thread state: `deferred` holds the callbacks of futures settled while
 # this thread was already running callbacks (so long then() chains run in a
-# loop, not in nested calls); `worker` is the pool whose worker this thread is
-# (told when the thread blocks, so the pool can keep its other work moving).
+# loop, not in nested calls); `worker` is the pool whose worker this thread is,
+# or its record as a thread outside the pools. `worker` is told when the thread
+# blocks in `wait` (worker_blocked: the pool keeps its other work moving),
+# when the wait has lasted _BLOCKED_LONG seconds (worker_blocked_long: the
+# thread's cores go to the tasks still running) and when it resumes.
 _local = threading.local()
+
+# BLAS and OpenMP pools spin for about 0.1 s after each call (OpenBLAS for
+# 2**28 cycles), so more threads for a shorter spell leave spinners behind
+# that cost the tasks sharing the cores more than the spell gained.
+_BLOCKED_LONG = 0.1
 
 _warned_blocking_loop = False
 
@@ -223,7 +231,14 @@ class Future(Generic[T]):
         profiler = _trace.active
         started = time.perf_counter() if profiler is not None else 0.0
         try:
-            done = waiter.acquire(True, -1 if timeout is None else timeout)
+            if worker is None or (timeout is not None and timeout <= _BLOCKED_LONG):
+                done = waiter.acquire(True, -1 if timeout is None else timeout)
+            else:
+                done = waiter.acquire(True, _BLOCKED_LONG)
+                if not done:
+                    worker.worker_blocked_long()
+                    rest = -1 if timeout is None else timeout - _BLOCKED_LONG
+                    done = waiter.acquire(True, rest)
         finally:
             if worker is not None:
                 worker.worker_resumed()

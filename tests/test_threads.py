@@ -94,6 +94,36 @@ def test_a_thread_that_computes_beside_its_fork_counts():
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
+@pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
+def test_a_fork_an_idle_worker_takes_counts_from_the_moment_it_is_forked():
+    # The forking thread's next BLAS call must already leave the worker its
+    # share, not start with every core before the worker has woken up.
+    release = threading.Event()
+    fut = aiopar.fork(release.wait, 5)
+    try:
+        share = cores() // 2
+        assert seen() == (share, [share] * len(blas_threads()))
+    finally:
+        release.set()
+    fut.wait()
+    settle()
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_a_fork_its_forker_runs_itself_has_every_core():
+    for _ in range(20):  # whoever runs it, it runs alone
+        assert aiopar.fork(seen).wait() == (cores(), [cores()] * len(blas_threads()))
+    settle()
+
+
+def test_a_fork_cancelled_before_it_starts_gives_its_share_back():
+    futs = [aiopar.fork(time.sleep, 0.01) for _ in range(6)]
+    cancelled = [fut for fut in futs if fut.cancel()]
+    aiopar.wait_all([fut for fut in futs if fut not in cancelled])
+    settle()
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_concurrent_tasks_share_the_cores(k):
     share = max(1, cores() // k)
@@ -126,6 +156,39 @@ def test_a_worker_blocked_in_wait_gives_its_share_back():
         return fut.wait()
 
     assert aiopar.fork(outer).wait() == (cores(), [cores()] * len(blas_threads()))
+    settle()
+
+
+@pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
+def test_a_thread_that_computed_beside_its_fork_gives_its_cores_back_once_it_waits_long(
+    monkeypatch,
+):
+    # The tail of a fork its forker waits for keeps its share for a while:
+    # more BLAS threads for a short spell leave spinning threads behind.
+    import aiopar._future
+    import aiopar.backends.thread
+
+    long_wait = 0.5
+    monkeypatch.setattr(aiopar._future, "_BLOCKED_LONG", long_wait)
+    monkeypatch.setattr(aiopar.backends.thread, "_BLOCKED_LONG", long_wait)
+    share = cores() // 2
+
+    def tail():
+        deadline = time.monotonic() + 5
+        while budget.running > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the forker blocks in wait
+        blocked_at = time.monotonic()
+        first = blas_threads()
+        while blas_threads() != [cores()] * len(first) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return first, blas_threads(), time.monotonic() - blocked_at
+
+    fut = aiopar.fork(tail)
+    time.sleep(long_wait + 0.1)  # this thread "computes" beside its fork
+    first, last, waited = fut.wait()
+    assert first == [share] * len(first)
+    assert last == [cores()] * len(last)
+    assert waited >= long_wait / 2
     settle()
 
 
@@ -208,13 +271,18 @@ def test_omp_num_threads_at_import_is_an_explicit_setting():
     assert "set by OMP_NUM_THREADS" in out
 
 
-def test_a_batch_of_short_tasks_does_not_flip_blas_at_every_task(monkeypatch):
-    # Changing BLAS threads costs microseconds: tasks that end give their
-    # threads back only once nothing runs, not each time one finishes.
+def test_tasks_that_end_beside_a_running_one_do_not_flip_blas(monkeypatch):
+    # Changing BLAS threads costs about a microsecond: tasks that end give
+    # their threads back only once nothing runs, not each time one finishes.
     changes = []
     apply = budget._apply
     monkeypatch.setattr(budget, "_apply", lambda n: (changes.append(n), apply(n)))
-    aiopar.wait_all([aiopar.fork(len, ()) for _ in range(2_000)])
-    settle()
-    assert len(changes) < 20, f"{len(changes)} BLAS changes for 2,000 tasks"
+    budget.enter()  # a long task
+    try:
+        for _ in range(1_000):
+            budget.enter()
+            budget.leave()
+    finally:
+        budget.leave()
+    assert changes == ([max(1, cores() // 2), cores()] if cores() > 1 else [])
     assert seen() == (cores(), [cores()] * len(blas_threads()))

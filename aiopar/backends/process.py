@@ -357,6 +357,9 @@ class ProcessBackend(Backend):
             if self._manager is threading.current_thread():
                 self._start_manager()
 
+    def worker_blocked_long(self) -> None:
+        pass
+
     def worker_resumed(self) -> None:
         pass
 

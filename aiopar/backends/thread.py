@@ -14,9 +14,11 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from typing import Any
 
 from .. import _config
+from .._future import _BLOCKED_LONG
 from .._future import _local as _future_thread_state
 from .._loop import on_event_loop
 from ._base import Backend, Task, check_max_workers
@@ -27,7 +29,9 @@ _backend_ids = itertools.count(1)
 
 _enter_budget = _config.budget.enter
 _leave_budget = _config.budget.leave
-_block_budget = _config.budget.block
+_drop_budget = _config.budget.drop
+_follow_budget = _config.budget.follow
+_adopt_budget = _config.budget.apply_here
 
 
 class _OutsideThread:
@@ -35,16 +39,17 @@ class _OutsideThread:
 
     Such a thread counts as one running task while it is not blocked in
     ``wait`` and either runs another thread's task itself, or has unfinished
-    forks of which a worker has started one: a thread that forks and goes on
-    computing competes with its forks for the cores, as the tutorial's
-    bidirectional LSTM does. Until a worker starts one of its forks it does
-    not count, so a fork it runs itself (``wait(fork(f))``) costs the budget
-    nothing. It stands in for a pool in ``Future.wait``'s blocked/resumed calls.
+    forks of which a worker has taken (or been woken for) one: a thread that
+    forks and goes on computing competes with its forks for the cores, as the
+    tutorial's bidirectional LSTM does. Forks that wait in the queue for a
+    busy pool do not make it count. It stands in for a pool in
+    ``Future.wait``'s blocked/resumed calls.
     """
 
     __slots__ = (
         "blocked",
         "counted",
+        "counted_since",
         "forks_unfinished",
         "lock",
         "sharing",
@@ -54,10 +59,11 @@ class _OutsideThread:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.forks_unfinished = 0  # its forks not finished (nor cancelled) yet
-        self.sharing = False  # a worker started one of them since it had none
+        self.sharing = False  # a worker took one of them since it had none
         self.tasks_running = 0  # tasks forked elsewhere that it runs itself
         self.blocked = False
         self.counted = False
+        self.counted_since = 0.0
 
     def _recount(self) -> None:
         # Called with self.lock held.
@@ -65,9 +71,8 @@ class _OutsideThread:
         if counts != self.counted:
             self.counted = counts
             if counts:
+                self.counted_since = time.monotonic()
                 _enter_budget()
-            elif self.blocked:
-                _block_budget()
             else:
                 _leave_budget()
 
@@ -75,7 +80,7 @@ class _OutsideThread:
         with self.lock:
             self.forks_unfinished += 1
 
-    def fork_started_on_worker(self) -> None:
+    def fork_on_worker(self) -> None:
         with self.lock:
             if not self.sharing:
                 self.sharing = True
@@ -95,13 +100,31 @@ class _OutsideThread:
 
     def worker_blocked(self) -> None:
         with self.lock:
+            was_counted = self.counted
             self.blocked = True
             self._recount()
+            if was_counted:
+                _give_cores_back(self.counted_since)
+
+    def worker_blocked_long(self) -> None:
+        _follow_budget()
 
     def worker_resumed(self) -> None:
         with self.lock:
             self.blocked = False
             self._recount()
+
+
+def _give_cores_back(counted_since: float) -> None:
+    """A thread that counted since ``counted_since`` blocks in ``wait`` (its
+    count is gone already): the tasks still running get its cores at once if
+    it computed for less than ``_BLOCKED_LONG`` seconds, else once the wait
+    has lasted that long (``worker_blocked_long``). BLAS pools spin about that
+    long after a call, so more threads for a short spell between two phases
+    of computing side by side (the tail of a fork its forker waits for) cost
+    more than they gain; a task waited for at once runs with every core."""
+    if time.monotonic() - counted_since < _BLOCKED_LONG:
+        _follow_budget()
 
 
 def _this_thread() -> _OutsideThread | Backend | Any:
@@ -118,19 +141,27 @@ class _BudgetedTask(Task):
     budget while it runs, in a worker or in a waiter that runs it itself,
     except while its thread is blocked in ``wait``. A thread counts once,
     however deeply its tasks nest. Until it finishes, the outside thread that
-    forked it (``forker``) counts too."""
+    forked it (``forker``) counts too.
 
-    __slots__ = ("forker",)
+    A task forked while a worker is idle counts from the fork on (it holds a
+    budget token, ``reserved``): the forker's own next BLAS call then already
+    leaves the cores it will need, instead of starting with all of them a few
+    tens of microseconds before the worker wakes."""
+
+    __slots__ = ("forker", "reserved")
 
     def run(self) -> None:
         future = self.claim()
         if future is None:
             if self.future is not None:  # cancelled: it will never run
-                self.release_forker()
+                self.release_budget()
             return
         forker, self.forker = self.forker, None
+        reserved, self.reserved = self.reserved, False
         worker = _this_thread()
         if type(worker) is _OutsideThread:
+            if reserved:
+                _drop_budget()  # not a worker's after all: this thread runs it
             # A fork run by the thread that forked it changes nothing: that
             # thread was going to compute anyway.
             counted_here = worker is not forker
@@ -149,9 +180,15 @@ class _BudgetedTask(Task):
             nested = state.get("budgeted", False)
             if not nested:
                 state["budgeted"] = True
-                _enter_budget()
+                state["counted_since"] = time.monotonic()
+                if reserved:
+                    _adopt_budget()  # the token is this thread's now
+                else:
+                    _enter_budget()
+            elif reserved:
+                _drop_budget()
             if forker is not None:
-                forker.fork_started_on_worker()
+                forker.fork_on_worker()
             try:
                 outcome = self.call()
             finally:
@@ -164,10 +201,14 @@ class _BudgetedTask(Task):
                     _leave_budget()
         self.settle(future, outcome)
 
-    def release_forker(self) -> None:
+    def release_budget(self) -> None:
+        """Give back what a task that will never run holds in the budget."""
         forker, self.forker = self.forker, None
         if forker is not None:
             forker.fork_finished()
+        if self.reserved:
+            self.reserved = False
+            _drop_budget()
 
 
 class ThreadBackend(Backend):
@@ -210,17 +251,23 @@ class ThreadBackend(Backend):
             forker = _this_thread()
             # An event loop's thread awaits its forks rather than computing
             # beside them, so it does not count.
-            if type(forker) is _OutsideThread and not on_event_loop():
-                task.forker = forker  # type: ignore[attr-defined]
+            if type(forker) is not _OutsideThread or on_event_loop():
+                forker = None
+            # Workers take queued tasks without the lock, so everything about
+            # the task is settled before it is queued.
+            reserved = len(self._tasks) >= self._waking and self._wake_worker()
+            if forker is not None:
                 forker.forked()
-            else:
-                task.forker = None  # type: ignore[attr-defined]
+                if reserved:
+                    forker.fork_on_worker()
+            if reserved:
+                _enter_budget()
+            task.forker, task.reserved = forker, reserved  # type: ignore[attr-defined]
             self._tasks.append(task)
-            if len(self._tasks) > self._waking:  # else a worker on its way takes it
-                self._wake_worker()
 
-    def _wake_worker(self) -> None:
-        # Called with self._lock held.
+    def _wake_worker(self) -> bool:
+        """Wake an idle worker, or start one if the pool is below its limit;
+        False if neither can be done. Called with self._lock held."""
         if self._idle:
             self._idle.popleft().release()
             self._waking += 1
@@ -232,6 +279,9 @@ class ThreadBackend(Backend):
             )
             self._threads.add(thread)
             thread.start()
+        else:
+            return False
+        return True
 
     def _work(self) -> None:
         _future_thread_state.worker = self
@@ -271,13 +321,18 @@ class ThreadBackend(Backend):
             return True
 
     # Called by Future.wait in a worker thread of this pool. A blocked worker
-    # also leaves its share of the thread budget to the tasks still running.
+    # stops counting against the thread budget, and leaves its cores to the
+    # tasks still running if the wait goes on (worker_blocked_long).
     def worker_blocked(self) -> None:
-        _block_budget()
+        _leave_budget()
+        _give_cores_back(getattr(_future_thread_state, "counted_since", 0.0))
         with self._lock:
             self._blocked += 1
             if self._tasks:
                 self._wake_worker()
+
+    def worker_blocked_long(self) -> None:
+        _follow_budget()
 
     def worker_resumed(self) -> None:
         with self._lock:
@@ -291,7 +346,7 @@ class ThreadBackend(Backend):
                     task = self._tasks.popleft()
                     if task.future is not None:
                         task.future.cancel()
-                    task.release_forker()  # type: ignore[attr-defined]
+                    task.release_budget()  # type: ignore[attr-defined]
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
                 self._idle.popleft().release()
