@@ -4,7 +4,13 @@
     python benchmarks/lstm.py --quick    # small sizes, a smoke test
 
 Every variant runs once per round, round-robin, and the best round counts, so
-a machine whose speed drifts (shared cores, turbo) treats all variants alike.
+a machine whose speed drifts (shared cores, turbo) treats all variants alike;
+the last column pairs each variant with aiopar's sequential run of the same
+round (the median of those ratios), which cancels most of that drift. Each
+timed run starts after a pause of 0.3 s: the BLAS and OpenMP pools of the
+previous variant spin for up to about 0.2 s after their last call (OpenBLAS
+0.1 s, Intel's OpenMP 0.2 s), and would otherwise slow whichever variant
+came next.
 The float32 GEMM peak is measured in every round with a large numpy matmul
 and the best is used for "of peak". TorchScript's variants (the tutorial's
 modules, scripted, run under ``torch.no_grad()``) are included when torch is
@@ -32,6 +38,10 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
 from aiopar.nn import LSTMEnsemble
+
+# Seconds to wait before each timed run, for the BLAS threads of the run
+# before to stop spinning.
+SPIN_PAUSE = 0.3
 
 # The tutorial's three variants: (fork_models, fork_directions).
 VARIANTS = {
@@ -219,6 +229,7 @@ def main() -> None:
         peaks.append(gemm_peak(peak_n))
         cores.append(effective_cores())
         for row in rows:
+            time.sleep(SPIN_PAUSE)
             start = time.perf_counter()
             row.run()
             row.times.append(time.perf_counter() - start)
@@ -227,7 +238,8 @@ def main() -> None:
     peak = max(peaks)
     flops = ensemble_flops(n_models, steps, batch, size)
     torch_best = min((min(r.times) for r in rows if r.torch), default=None)
-    sequential = min(next(r for r in rows if r.name == "aiopar sequential").times)
+    sequential_times = next(r for r in rows if r.name == "aiopar sequential").times
+    sequential = min(sequential_times)
 
     table = Table(
         title=(
@@ -242,8 +254,10 @@ def main() -> None:
     table.add_column("of peak", justify="right")
     table.add_column("/ TorchScript best", justify="right")
     table.add_column("/ aiopar sequential", justify="right")
+    table.add_column("/ sequential, paired", justify="right")
     for row in rows:
         best = min(row.times)
+        paired = statistics.median(t / s for t, s in zip(row.times, sequential_times, strict=True))
         table.add_row(
             row.name,
             f"{best:.3f}",
@@ -252,6 +266,7 @@ def main() -> None:
             f"{flops / best / 1e9 / peak:.0%}",
             "-" if torch_best is None else f"{best / torch_best:.2f}x",
             "-" if row.torch else f"{best / sequential:.2f}x",
+            f"{paired:.2f}x",
         )
     console.print(table)
 

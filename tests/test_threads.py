@@ -75,7 +75,10 @@ def test_a_single_task_gets_every_core():
 
 
 @pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
-def test_a_thread_that_computes_beside_its_fork_counts():
+@pytest.mark.parametrize("when", ["as soon as it forks", "once the task has started"])
+def test_a_thread_that_computes_beside_its_fork_counts(when):
+    # A worker was idle, so the fork counts from the fork on: the forking
+    # thread's next BLAS call already leaves the worker its share.
     started, release = threading.Event(), threading.Event()
 
     def task():
@@ -84,24 +87,9 @@ def test_a_thread_that_computes_beside_its_fork_counts():
 
     fut = aiopar.fork(task)
     try:
-        assert started.wait(5)
+        if when == "once the task has started":
+            assert started.wait(5)
         share = cores() // 2  # the task and this thread, which has not waited yet
-        assert seen() == (share, [share] * len(blas_threads()))
-    finally:
-        release.set()
-    fut.wait()
-    settle()
-    assert seen() == (cores(), [cores()] * len(blas_threads()))
-
-
-@pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
-def test_a_fork_an_idle_worker_takes_counts_from_the_moment_it_is_forked():
-    # The forking thread's next BLAS call must already leave the worker its
-    # share, not start with every core before the worker has woken up.
-    release = threading.Event()
-    fut = aiopar.fork(release.wait, 5)
-    try:
-        share = cores() // 2
         assert seen() == (share, [share] * len(blas_threads()))
     finally:
         release.set()
