@@ -308,6 +308,9 @@ def run_demo(args: argparse.Namespace) -> int:
         def timed(variant: str, backend: str, mode: str) -> tuple[Any, float]:
             """One run: its output and seconds, measured where the call happens."""
             progress.update(bar, description=f"{variant} · {backend} · {mode}")
+            # The BLAS threads of the run before spin for up to about 0.2 s
+            # after their last call, and would slow this one down.
+            time.sleep(0.05 if args.quick else 0.3)
             _, fork_models, fork_directions = next(v for v in VARIANTS if v[0] == variant)
             ens.fork_models, ens.fork_directions = fork_models, fork_directions
             with aiopar.use_backend(backend if backend != "-" else "inline"):
