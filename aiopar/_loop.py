@@ -30,7 +30,8 @@ __all__ = ["owned_loop", "running_async_library", "start_coroutine", "wait_on_lo
 class _Bridge:
     """Runs callables on one event loop's thread, one wake-up per batch.
 
-    ``wake`` must make the loop call :meth:`drain` soon, from any thread.
+    ``wake``, set by the function that makes the bridge, must make the loop
+    call :meth:`drain` soon; any thread may call it.
     """
 
     __slots__ = ("_batch", "_lock", "wake")
@@ -38,7 +39,7 @@ class _Bridge:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._batch: list[Callable[[], None]] = []
-        self.wake: Callable[[], Any] = _nothing
+        self.wake: Callable[[], Any]
 
     def post(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -53,10 +54,6 @@ class _Bridge:
             batch, self._batch = self._batch, []
         for fn in batch:
             fn()
-
-
-def _nothing() -> None:
-    pass
 
 
 # Keyed weakly by loop (or trio token): a bridge must not keep its loop alive.

@@ -118,11 +118,10 @@ class _OutsideThread:
 def _give_cores_back(counted_since: float) -> None:
     """A thread that counted since ``counted_since`` blocks in ``wait`` (its
     count is gone already): the tasks still running get its cores at once if
-    it computed for less than ``_BLOCKED_LONG`` seconds, else once the wait
-    has lasted that long (``worker_blocked_long``). BLAS pools spin about that
-    long after a call, so more threads for a short spell between two phases
-    of computing side by side (the tail of a fork its forker waits for) cost
-    more than they gain; a task waited for at once runs with every core."""
+    it computed for less than ``_BLOCKED_LONG`` seconds, so a task waited for
+    at once runs with every core; else once the wait has lasted that long
+    (``worker_blocked_long``), so the short tail of a fork its forker waits
+    for leaves no spinning BLAS threads behind."""
     if time.monotonic() - counted_since < _BLOCKED_LONG:
         _follow_budget()
 
