@@ -40,8 +40,8 @@ import aiopar
 from aiopar.nn import LSTMEnsemble
 
 # Seconds to wait before each timed run, for the BLAS threads of the run
-# before to stop spinning.
-SPIN_PAUSE = 0.3
+# before to stop spinning (--quick: a token pause, the runs are tiny).
+SPIN_PAUSE, QUICK_SPIN_PAUSE = 0.3, 0.05
 
 # The tutorial's three variants: (fork_models, fork_directions).
 VARIANTS = {
@@ -183,6 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     steps, batch, size, n_models = (10, 8, 64, 2) if args.quick else (50, 50, 1024, 4)
     rounds = args.rounds or (2 if args.quick else 5)
+    spin_pause = QUICK_SPIN_PAUSE if args.quick else SPIN_PAUSE
     peak_n = 512 if args.quick else 4096
 
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -229,7 +230,7 @@ def main() -> None:
         peaks.append(gemm_peak(peak_n))
         cores.append(effective_cores())
         for row in rows:
-            time.sleep(SPIN_PAUSE)
+            time.sleep(spin_pause)
             start = time.perf_counter()
             row.run()
             row.times.append(time.perf_counter() - start)
