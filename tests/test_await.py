@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import threading
@@ -250,11 +251,8 @@ def _open_fds() -> int:
 @pytest.mark.parametrize("loop_factory", ["asyncio", "uvloop"])
 def test_a_loop_that_awaited_forks_leaves_no_fd_and_is_not_kept_alive(loop_factory):
     if loop_factory == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        new_loop = uvloop.new_event_loop
+        new_loop = pytest.importorskip("uvloop").new_event_loop
     else:
-        import asyncio
-
         new_loop = asyncio.new_event_loop
 
     async def main():
