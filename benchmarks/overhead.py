@@ -50,6 +50,22 @@ def paired(
     return best_ours, best_anchor
 
 
+def sequential_forks(backend: aiopar.Backend, n: int) -> Callable[[], None]:
+    """``n`` times ``fork(noop).wait()`` on ``backend``, one after another."""
+
+    def run() -> None:
+        fork = backend.fork
+        for _ in range(n):
+            fork(noop).wait()
+
+    return run
+
+
+def batched_forks(backend: aiopar.Backend, n: int) -> Callable[[], None]:
+    """``n`` forks of ``noop`` on ``backend``, then a wait for all of them."""
+    return lambda: aiopar.wait_all([backend.fork(noop) for _ in range(n)])
+
+
 def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
     executor = concurrent.futures.ThreadPoolExecutor(workers)
     backend = aiopar.get_backend("thread", max_workers=workers)
@@ -57,10 +73,7 @@ def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, f
 
     n = int(20_000 * scale)
 
-    def fork_wait() -> None:
-        fork = backend.fork
-        for _ in range(n):
-            fork(noop).wait()
+    fork_wait = sequential_forks(backend, n)
 
     def submit_result() -> None:
         submit = executor.submit
@@ -77,8 +90,7 @@ def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, f
 
     batch = 10_000
 
-    def fork_batch() -> None:
-        aiopar.wait_all([backend.fork(noop) for _ in range(batch)])
+    fork_batch = batched_forks(backend, batch)
 
     def submit_batch() -> None:
         for fut in [executor.submit(noop) for _ in range(batch)]:
@@ -197,10 +209,7 @@ def profiler_rows(scale: float, rounds: int) -> list[tuple[str, str, float, floa
     inline = aiopar.get_backend("inline")
     n = int(20_000 * scale)
 
-    def fork_wait() -> None:
-        fork = inline.fork
-        for _ in range(n):
-            fork(noop).wait()
+    fork_wait = sequential_forks(inline, n)
 
     def flag_checks() -> None:
         trace = _trace
@@ -259,13 +268,8 @@ def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
     n = int(20_000 * scale)
     batch = 10_000
 
-    def ours_sequential() -> None:
-        fork = backend.fork
-        for _ in range(n):
-            fork(noop).wait()
-
-    def ours_batched() -> None:
-        aiopar.wait_all([backend.fork(noop) for _ in range(batch)])
+    ours_sequential = sequential_forks(backend, n)
+    ours_batched = batched_forks(backend, batch)
 
     return [
         (

@@ -578,22 +578,25 @@ class ProcessBackend(Backend):
         if worker.pidfd is not None:
             os.close(worker.pidfd)
         cause = _describe_exit(returncode)
+
+        def lost(job: _Job, message: str) -> None:
+            job.packed.discard()
+            settles.append((job.future, (None, BrokenWorkerError(message))))
+
         if running is not None:
-            running.packed.discard()
-            error = BrokenWorkerError(
+            lost(
+                running,
                 f"the worker process (pid {worker.pid}) running {running.name}() died: "
                 f"{cause}. The task's work is lost; other tasks are unaffected and a new "
-                f"worker replaces it"
+                f"worker replaces it",
             )
-            settles.append((running.future, (None, error)))
         for job in doomed:
-            job.packed.discard()
-            error = BrokenWorkerError(
+            lost(
+                job,
                 f"{_MAX_START_FAILURES} worker processes in a row died before they were "
                 f"ready (the last one {cause}); their error output is above. "
-                f"{job.name}() was never run"
+                f"{job.name}() was never run",
             )
-            settles.append((job.future, (None, error)))
 
     def _stop_workers(self) -> None:
         with self._lock:

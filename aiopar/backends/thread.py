@@ -17,8 +17,7 @@ import threading
 import time
 from typing import Any
 
-from .. import _config
-from .._future import _BLOCKED_LONG
+from .. import _config, _future
 from .._future import _local as _future_thread_state
 from .._loop import on_event_loop
 from ._base import Backend, Task, check_max_workers
@@ -122,7 +121,7 @@ def _give_cores_back(counted_since: float) -> None:
     at once runs with every core; else once the wait has lasted that long
     (``worker_blocked_long``), so the short tail of a fork its forker waits
     for leaves no spinning BLAS threads behind."""
-    if time.monotonic() - counted_since < _BLOCKED_LONG:
+    if time.monotonic() - counted_since < _future._BLOCKED_LONG:
         _follow_budget()
 
 
