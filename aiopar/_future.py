@@ -13,12 +13,12 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from . import _loop, _trace
 from ._errors import CancelledError, InvalidStateError
 
-__all__ = ["Future"]
+__all__ = ["Future", "Waiter", "get_waiter", "set_waiter"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -30,11 +30,7 @@ _logger = logging.getLogger("aiopar")
 
 # Per-thread state: `deferred` holds the callbacks of futures settled while
 # this thread was already running callbacks (so long then() chains run in a
-# loop, not in nested calls); `worker` is the pool whose worker this thread is,
-# or its record as a thread outside the pools. `worker` is told when the thread
-# blocks in `wait` (worker_blocked: the pool keeps its other work moving),
-# when the wait has lasted _BLOCKED_LONG seconds (worker_blocked_long: the
-# thread's cores go to the tasks still running) and when it resumes.
+# loop, not in nested calls); `waiter` is the Waiter that owns this thread.
 _local = threading.local()
 
 # BLAS and OpenMP pools spin for about 0.1 s after each call (OpenBLAS for
@@ -43,6 +39,41 @@ _local = threading.local()
 _BLOCKED_LONG = 0.1
 
 _warned_blocking_loop = False
+
+
+class Waiter(Protocol):
+    """The owner of a thread, told when that thread blocks in :meth:`Future.wait`.
+
+    A pool registers one in each of its threads with :func:`set_waiter`, so a
+    worker that blocks on another task does not starve the pool (it lets
+    another worker run, or secedes from a cluster worker's thread count)
+    and does not hold on to its share of the cores.
+    """
+
+    def blocked(self) -> None:
+        """The thread is about to block until a future is done."""
+
+    def blocked_long(self) -> None:
+        """The thread has been blocked for ``_BLOCKED_LONG`` seconds and still is."""
+
+    def resumed(self) -> None:
+        """The thread stopped blocking (the future is done or the wait timed out)."""
+
+
+def set_waiter(waiter: Waiter | None) -> Waiter | None:
+    """Make ``waiter`` the owner of the calling thread; return the one it replaces.
+
+    ``None`` removes the owner. Every blocking wait in this thread calls
+    ``blocked``, then ``resumed`` (and ``blocked_long`` in between if it lasts).
+    """
+    previous = _local.__dict__.get("waiter")
+    _local.waiter = waiter
+    return previous
+
+
+def get_waiter() -> Waiter | None:
+    """The owner of the calling thread, or None."""
+    return _local.__dict__.get("waiter")
 
 
 class Future(Generic[T]):
@@ -225,9 +256,9 @@ class Future(Generic[T]):
                 self._waiters = [waiter]
             else:
                 self._waiters.append(waiter)
-        worker = getattr(_local, "worker", None)
+        worker = _local.__dict__.get("waiter")
         if worker is not None:
-            worker.worker_blocked()
+            worker.blocked()
         profiler = _trace.active
         started = time.perf_counter() if profiler is not None else 0.0
         try:
@@ -236,12 +267,12 @@ class Future(Generic[T]):
             else:
                 done = waiter.acquire(True, _BLOCKED_LONG)
                 if not done:
-                    worker.worker_blocked_long()
+                    worker.blocked_long()
                     rest = -1 if timeout is None else timeout - _BLOCKED_LONG
                     done = waiter.acquire(True, rest)
         finally:
             if worker is not None:
-                worker.worker_resumed()
+                worker.resumed()
             if profiler is not None:
                 profiler.on_blocked(time.perf_counter() - started, task)
         if not done:

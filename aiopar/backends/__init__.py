@@ -17,9 +17,18 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from .._future import Waiter, get_waiter, set_waiter
 from ._base import Backend, Task
 
-__all__ = ["Backend", "Task", "available_backends", "create_backend"]
+__all__ = [
+    "Backend",
+    "Task",
+    "Waiter",
+    "available_backends",
+    "create_backend",
+    "get_waiter",
+    "set_waiter",
+]
 
 ENTRY_POINT_GROUP = "aiopar.backends"
 

@@ -11,7 +11,7 @@ on "thread".
 
 from __future__ import annotations
 
-from .._future import _local as _future_thread_state
+from .. import _future
 from .thread import ThreadBackend
 
 __all__ = ["OpenMPBackend"]
@@ -43,4 +43,4 @@ class OpenMPBackend(ThreadBackend):
     def stealable(self) -> bool:  # type: ignore[override]
         # Only the lane itself may run an awaited task in place: any other
         # waiter would run it beside the lane, out of order.
-        return getattr(_future_thread_state, "worker", None) is self
+        return _future.get_waiter() is self

@@ -52,10 +52,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _config
+from .. import _config, _future
 from .._errors import BrokenWorkerError
 from .._future import Future
-from .._future import _local as _future_thread_state
 from . import _process_wire as wire
 from ._base import Backend, Task, check_max_workers
 
@@ -352,19 +351,19 @@ class ProcessBackend(Backend):
     # there blocks (say, on another process task): a new manager takes over,
     # so the results that callback waits for still arrive. The blocked
     # thread exits once its callback returns.
-    def worker_blocked(self) -> None:
+    def blocked(self) -> None:
         with self._lock:
             if self._manager is threading.current_thread():
                 self._start_manager()
 
-    def worker_blocked_long(self) -> None:
+    def blocked_long(self) -> None:
         pass
 
-    def worker_resumed(self) -> None:
+    def resumed(self) -> None:
         pass
 
     def _manage(self, generation: int) -> None:
-        _future_thread_state.worker = self
+        _future.set_waiter(self)
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         watched: set[_Worker] = set()
@@ -493,7 +492,7 @@ class ProcessBackend(Backend):
 
     def _on_frame(self, worker: _Worker, frame: wire.Frame) -> _Settle | None:
         """Account for the frame; return the settling of its future, which the
-        caller does last (a done-callback may block, see worker_blocked)."""
+        caller does last (a done-callback may block, see blocked)."""
         if frame.kind == wire.READY:
             with self._lock:
                 worker.ready = True

@@ -46,7 +46,7 @@ class _OutsideThread:
     """
 
     __slots__ = (
-        "blocked",
+        "is_blocked",
         "counted",
         "counted_since",
         "forks_unfinished",
@@ -60,13 +60,13 @@ class _OutsideThread:
         self.forks_unfinished = 0  # its forks not finished (nor cancelled) yet
         self.sharing = False  # a worker took one of them since it had none
         self.tasks_running = 0  # tasks forked elsewhere that it runs itself
-        self.blocked = False
+        self.is_blocked = False
         self.counted = False
         self.counted_since = 0.0
 
     def _recount(self) -> None:
         # Called with self.lock held.
-        counts = (self.sharing or bool(self.tasks_running)) and not self.blocked
+        counts = (self.sharing or bool(self.tasks_running)) and not self.is_blocked
         if counts != self.counted:
             self.counted = counts
             if counts:
@@ -97,20 +97,20 @@ class _OutsideThread:
             self.tasks_running += delta
             self._recount()
 
-    def worker_blocked(self) -> None:
+    def blocked(self) -> None:
         with self.lock:
             was_counted = self.counted
-            self.blocked = True
+            self.is_blocked = True
             self._recount()
             if was_counted:
                 _give_cores_back(self.counted_since)
 
-    def worker_blocked_long(self) -> None:
+    def blocked_long(self) -> None:
         _follow_budget()
 
-    def worker_resumed(self) -> None:
+    def resumed(self) -> None:
         with self.lock:
-            self.blocked = False
+            self.is_blocked = False
             self._recount()
 
 
@@ -119,7 +119,7 @@ def _give_cores_back(counted_since: float) -> None:
     count is gone already): the tasks still running get its cores at once if
     it computed for less than ``_BLOCKED_LONG`` seconds, so a task waited for
     at once runs with every core; else once the wait has lasted that long
-    (``worker_blocked_long``), so the short tail of a fork its forker waits
+    (``blocked_long``), so the short tail of a fork its forker waits
     for leaves no spinning BLAS threads behind."""
     if time.monotonic() - counted_since < _future._BLOCKED_LONG:
         _follow_budget()
@@ -128,9 +128,9 @@ def _give_cores_back(counted_since: float) -> None:
 def _this_thread() -> _OutsideThread | Backend | Any:
     """The pool this thread works for, else its outside-thread record (made on first use)."""
     state = _future_thread_state.__dict__
-    worker = state.get("worker")
+    worker = state.get("waiter")
     if worker is None:
-        worker = state["worker"] = _OutsideThread()
+        worker = state["waiter"] = _OutsideThread()
     return worker
 
 
@@ -282,7 +282,7 @@ class ThreadBackend(Backend):
         return True
 
     def _work(self) -> None:
-        _future_thread_state.worker = self
+        _future.set_waiter(self)
         tasks = self._tasks
         wake_up = threading.Lock()
         wake_up.acquire()
@@ -320,8 +320,8 @@ class ThreadBackend(Backend):
 
     # Called by Future.wait in a worker thread of this pool. A blocked worker
     # stops counting against the thread budget, and leaves its cores to the
-    # tasks still running if the wait goes on (worker_blocked_long).
-    def worker_blocked(self) -> None:
+    # tasks still running if the wait goes on (blocked_long).
+    def blocked(self) -> None:
         _leave_budget()
         _give_cores_back(getattr(_future_thread_state, "counted_since", 0.0))
         with self._lock:
@@ -329,10 +329,10 @@ class ThreadBackend(Backend):
             if self._tasks:
                 self._wake_worker()
 
-    def worker_blocked_long(self) -> None:
+    def blocked_long(self) -> None:
         _follow_budget()
 
-    def worker_resumed(self) -> None:
+    def resumed(self) -> None:
         with self._lock:
             self._blocked -= 1
         _enter_budget()
