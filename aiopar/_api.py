@@ -88,7 +88,7 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
         if task is not None and task.stealable:
             task.run()  # does nothing unless the task has not started
         if fut._exception is not None:  # set only on a finished, failed future
-            raise fut._exception
+            fut.value()  # raises it
     pending = [fut for fut in futures if not fut.done()]
     if pending:
         _when_all(pending, None, fail_fast=True).wait()
@@ -108,7 +108,7 @@ def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Futur
             if fut.cancelled():
                 outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
             elif fut._exception is not None:
-                outcome._settle(None, fut._exception)
+                outcome._settle(None, fut._retrieve())
         with lock:
             remaining -= 1
             last = remaining == 0
@@ -316,7 +316,7 @@ class TaskGroup:
     def _finish(self, exc: BaseException | None) -> bool:
         self._exited = True
         failures = [
-            fut._exception
+            fut._retrieve()
             for fut in self._futures
             if not fut.cancelled() and fut._exception is not None
         ]

@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from . import _config
+from ._budget import budget
 
 __all__ = ["in_parallel_region", "parallel_for"]
 
@@ -86,14 +86,14 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
     if getattr(_local, "active", False):
         fn(begin, end)  # nested: this thread is one of the outer call's threads already
         return
-    n_chunks = min(_config.get_num_threads(), size // grain_size) or 1
+    n_chunks = min(budget.target(), size // grain_size) or 1
     _local.active = True
     try:
         if n_chunks == 1:
             fn(begin, end)
             return
         job = _Job(fn, _split(begin, size, n_chunks))
-        _config.budget.add_running(n_chunks)
+        budget.add_running(n_chunks)
         try:
             _pool.submit(job, n_chunks - 1)
             job.work()
@@ -102,8 +102,8 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
             job.fail(exc)
             raise
         finally:
-            _config.budget.add_running(-n_chunks)
-            _config.budget.apply_here()
+            budget.add_running(-n_chunks)
+            budget.apply_here()
     finally:
         _local.active = False
     if job.error is not None:
@@ -144,7 +144,7 @@ class _Job:
 
     def work(self) -> None:
         """Run unclaimed chunks until none is left."""
-        _config.budget.apply_here()  # OpenMP limits are per thread
+        budget.apply_here()  # OpenMP limits are per thread
         bounds = self.bounds
         while True:
             with self.lock:

@@ -26,7 +26,7 @@ import numpy as np
 from threadpoolctl import threadpool_info
 
 import aiopar
-from aiopar._config import cores
+from aiopar._budget import cores
 
 
 def blas_threads() -> int:

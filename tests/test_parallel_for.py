@@ -11,7 +11,7 @@ import pytest
 from threadpoolctl import threadpool_info
 
 import aiopar
-from aiopar._config import budget, cores
+from aiopar._budget import budget, cores
 
 pytestmark = pytest.mark.timeout(30)
 

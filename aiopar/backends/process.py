@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _config, _future
+from .. import _budget, _config, _future
 from .._errors import BrokenWorkerError
 from .._future import Future
 from . import _process_wire as wire
@@ -200,7 +200,7 @@ class ProcessBackend(Backend):
                 f"prefetch must be None (adaptive) or a whole number >= 0, got {prefetch!r}"
             )
         super().__init__()
-        self._max_workers = max_workers or _config.cores()
+        self._max_workers = max_workers or _budget.cores()
         self._prefetch = prefetch
         self._mean_run_ns = _PREFETCH_BUDGET_NS  # recent task run time (moving average)
         self._lock = threading.Lock()
