@@ -328,15 +328,18 @@ class _CoroutineFork:
     def __init__(self, fut: Any, fn: Callable[..., Any], loop: Any, thread_id: int) -> None:
         self.future = fut
         self.name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        self.loop = loop
-        self.thread_id = thread_id
+        # Weakly: a future must not keep a dropped loop alive.
+        self.loop = None if loop is None else weakref.ref(loop)
+        self.thread_id = thread_id  # of the loop, when it started the coroutine
 
     def runs_on_this_thread(self) -> bool:
-        if self.thread_id == threading.get_ident():
-            return True
-        if self.loop is not None and self.loop.is_closed():
+        if self.loop is None:  # trio's
+            return self.thread_id == threading.get_ident() and running_async_library() == "trio"
+        loop = self.loop()
+        if loop is None or loop.is_closed():
             self.abandoned("was closed before it finished")
-        return False
+            return False
+        return asyncio._get_running_loop() is loop
 
     def abandoned(self, what_happened: str) -> None:
         """The loop will never run the coroutine to its end: settle the future."""
@@ -402,7 +405,7 @@ def start_coroutine(
 
 
 def _start_asyncio(fork: _CoroutineFork, run: Callable[[], Any], context: Any) -> None:
-    loop = fork.loop
+    loop = fork.loop()  # type: ignore[misc]
     task = loop.create_task(run(), context=context)
     forks = _forks_of(loop)
     forks[task] = fork
