@@ -2,10 +2,15 @@
 Unix socket, with large buffers passed as shared-memory file descriptors.
 
 Values are pickled with protocol 5. Buffers of at least ``LARGE_BUFFER``
-bytes (numpy arrays, bytearrays, ...) leave the pickle stream: they are
+bytes (numpy arrays wherever they sit in the value: in lists, in objects,
+captured by a closure; bytearrays, ...) leave the pickle stream: they are
 copied once into a shared-memory segment (a ``memfd``) whose descriptor
 travels with the message (``SCM_RIGHTS``), and the receiver maps it and
-rebuilds the arrays on top of the mapping without copying again.
+rebuilds the arrays on top of the mapping without copying again. An array
+that is not contiguous (a strided slice) is made contiguous once, so it
+leaves the stream too. What stays in the pickle (``bytes``, ``str``, lists
+of numbers, ...) is read into one buffer of the frame's size, so a frame of
+any size costs time in proportion to its size.
 
 A segment has no name, so nothing can be left behind in ``/dev/shm``: the
 kernel frees it once the last descriptor and mapping are gone, even if
@@ -17,6 +22,8 @@ Without ``os.memfd_create`` (not Linux) every buffer stays in the pickle.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import mmap
 import os
 import pickle
@@ -27,7 +34,7 @@ import threading
 import types
 import weakref
 from array import array
-from collections import deque
+from collections import ChainMap, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,7 +51,7 @@ _HAVE_MEMFD = hasattr(os, "memfd_create")
 _ALIGN = 64  # buffers start on cache-line boundaries inside a segment
 
 # kinds of frame
-TASK, RESULT, ERROR, READY, RELEASE = 1, 2, 3, 4, 5
+TASK, RESULT, ERROR, READY, RELEASE, PATH = 1, 2, 3, 4, 5, 6
 
 # kind, has segment, buffer count, released-id count, message id,
 # segment id, segment size, payload size, start and end times (ns)
@@ -193,12 +200,59 @@ def _pickle_by_value_modules() -> bool:
     return bool(getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", True))
 
 
-def pack(obj: Any, pool: SegmentPool, *, by_value: bool = True, _mains: int = 0) -> Packed:
+def _contiguous_reduce(a: Any) -> Any:
+    # numpy writes an array that is neither C- nor Fortran-contiguous (a
+    # strided slice) into the pickle itself; one contiguous copy lets its
+    # buffer leave the stream like any other array's.
+    if not (a.flags.c_contiguous or a.flags.f_contiguous) and not a.dtype.hasobject:
+        a = a.copy()
+    return a.__reduce_ex__(5)
+
+
+# (numpy's ndarray, copyreg's table size, the plain and the cloudpickle Pickler)
+_picklers: tuple[Any, int, type[pickle.Pickler], type[pickle.Pickler]] | None = None
+
+
+def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
+    """The plain and the cloudpickle Pickler, made to send every numpy array
+    out of band once numpy is imported (without importing it here)."""
+    global _picklers
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return pickle.Pickler, cloudpickle.Pickler
+    cached = _picklers
+    if cached is None or cached[1] != len(copyreg.dispatch_table):
+        ndarray = numpy.ndarray
+        # A plain dict (a ChainMap would cost a Python call per object
+        # pickled), rebuilt when a library registers a reducer.
+        plain_table = {**copyreg.dispatch_table, ndarray: _contiguous_reduce}
+        cloud_table = ChainMap({ndarray: _contiguous_reduce}, cloudpickle.Pickler.dispatch_table)
+        plain = type("Pickler", (pickle.Pickler,), {"dispatch_table": plain_table})
+        cloud = type("Pickler", (cloudpickle.Pickler,), {"dispatch_table": cloud_table})
+        cached = _picklers = (ndarray, len(copyreg.dispatch_table), plain, cloud)
+    return cached[2], cached[3]
+
+
+def _dumps(pickler: type[pickle.Pickler], obj: Any, buffer_callback: Callable[..., Any]) -> bytes:
+    out = io.BytesIO()
+    pickler(out, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return out.getvalue()
+
+
+def pack(
+    obj: Any,
+    pool: SegmentPool,
+    *,
+    by_value: bool = True,
+    plain_first: bool = True,
+    _mains: int = 0,
+) -> Packed:
     """Pickle ``obj``, moving its large buffers into a segment from ``pool``.
 
     ``by_value`` makes what a fresh interpreter cannot import (lambdas,
     closures, functions and classes of ``__main__``) travel by value, as
     cloudpickle does; otherwise cloudpickle is only the fallback.
+    ``plain_first=False`` skips the plain pickler when it is known to fail.
     """
     large: list[memoryview] = []
 
@@ -209,20 +263,21 @@ def pack(obj: Any, pool: SegmentPool, *, by_value: bool = True, _mains: int = 0)
         large.append(view)
         return False
 
+    plain, cloud = _pickler_classes()
     payload = None
-    if not by_value or not _pickle_by_value_modules():
+    if plain_first and (not by_value or not _pickle_by_value_modules()):
         # The C pickler is several times faster than cloudpickle; its output
         # is the same unless something refers to __main__ (which a worker
         # does not import) or cannot be pickled by reference at all.
         try:
-            payload = pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+            payload = _dumps(plain, obj, buffer_callback)
         except Exception:
             payload = None
         if by_value and payload is not None and payload.count(b"__main__") > _mains:
             payload = None
     if payload is None:
         large.clear()
-        payload = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+        payload = _dumps(cloud, obj, buffer_callback)
     if not large:
         return Packed(payload, [], None, None)
     lengths = [view.nbytes for view in large]
@@ -294,18 +349,20 @@ def _fingerprint(value: Any, refs: list[Any], depth: int = 0) -> Any:
     return None if None in parts else tuple(parts)
 
 
-def _function_by_value(fn: Any) -> bytes:
-    """cloudpickle's bytes for ``fn``, reused while they would not change."""
-    cacheable = type(fn) is types.FunctionType and _extract_code_globals is not None
-    if cacheable:
-        entry = _by_value_cache.get(fn)
-        refs: list[Any] = []
-        fingerprint = _fingerprint(fn, refs)
-        if entry is not None and fingerprint is not None and entry[0] == fingerprint:
-            return entry[1]
+def _function_by_value(fn: Any) -> bytes | None:
+    """cloudpickle's bytes for ``fn``, reused while they would not change;
+    None when that cannot be told cheaply (it refers to a list, an array...)."""
+    if _extract_code_globals is None:
+        return None
+    refs: list[Any] = []
+    fingerprint = _fingerprint(fn, refs)
+    if fingerprint is None:
+        return None
+    entry = _by_value_cache.get(fn)
+    if entry is not None and entry[0] == fingerprint:
+        return entry[1]
     data = cloudpickle.dumps(fn, protocol=5)
-    if cacheable and fingerprint is not None:
-        _by_value_cache[fn] = (fingerprint, data, refs)
+    _by_value_cache[fn] = (fingerprint, data, refs)
     return data
 
 
@@ -315,6 +372,10 @@ def pack_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Segm
         module = fn.__module__
         if module == "__main__" or "<" in fn.__qualname__ or module not in sys.modules:
             data = _function_by_value(fn)
+            if data is None:
+                # Pickled with the call, so the arrays it refers to leave
+                # the pickle like the arguments' do.
+                return pack((fn, False, args, kwargs), pool, plain_first=False)
             # The function's own mentions of __main__ are fine: it travels by value.
             return pack((data, True, args, kwargs), pool, _mains=data.count(b"__main__"))
     return pack((fn, False, args, kwargs), pool)
@@ -345,7 +406,7 @@ class Frame:
         self,
         kind: int,
         msg_id: int,
-        payload: bytes,
+        payload: bytes | bytearray,
         buffers: list[memoryview],
         t0: int,
         t1: int,
@@ -488,10 +549,15 @@ class Channel:
         if seg is not None:
             seg.owner = owner
             ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", [seg.fd]))]
-        total = sum(len(p) for p in parts)
         sent = self.sock.sendmsg(parts, ancdata)
-        if sent < total:
-            self.sock.sendall(memoryview(b"".join(parts))[sent:])
+        for part in parts:
+            # A partial send (a signal interrupted it): the rest, part by part
+            # rather than joined into one more copy.
+            if sent >= len(part):
+                sent -= len(part)
+            else:
+                self.sock.sendall(memoryview(part)[sent:])
+                sent = 0
 
     def has_frame(self) -> bool:
         """Whether a whole frame is already buffered (recv will not block)."""
@@ -504,23 +570,33 @@ class Channel:
     def recv(self) -> Frame | None:
         """The next frame, blocking until it is whole; None for a frame that
         only carried released segment ids. Raises EOFError when the peer is gone."""
-        while len(self._buf) < _HEADER.size:
-            self._fill(_HEADER.size)
-        size = self._frame_size()
-        while len(self._buf) < size:
-            self._fill(size)
         buf = self._buf
+        while len(buf) < _HEADER.size:
+            self._fill()
         kind, has_seg, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(
             buf
         )
+        start = _HEADER.size + 8 * (nbufs + nrel)
+        end = start + plen
+        # Small frames come through the chunk (a read may take several);
+        # a big one is read straight into a buffer of its own size, so a
+        # frame costs time in proportion to its size.
+        while len(buf) < start or len(buf) < end <= len(buf) + len(self._chunk):
+            self._fill()
         ids = array("Q")
-        start = _HEADER.size
+        payload: bytes | bytearray
         with memoryview(buf) as view:
-            if nbufs or nrel:
-                ids.frombytes(view[start : start + 8 * (nbufs + nrel)])
-                start += 8 * (nbufs + nrel)
-            payload = bytes(view[start : start + plen])
-        del buf[:size]
+            ids.frombytes(view[_HEADER.size : start])
+            if len(buf) >= end:
+                payload = bytes(view[start:end])
+                have = plen
+            else:
+                payload = bytearray(plen)
+                have = len(buf) - start
+                payload[:have] = view[start:]
+        del buf[: start + have]
+        if have < plen:
+            self._recv_into(memoryview(payload)[have:])
         for released_id in ids[nbufs:]:
             self._on_released(released_id)
         buffers: list[memoryview] = []
@@ -534,16 +610,19 @@ class Channel:
             return None
         return Frame(kind, msg_id, payload, buffers, t0, t1)
 
-    def _fill(self, need: int) -> None:
-        missing = need - len(self._buf)
-        if missing > len(self._chunk):
-            # A big frame: read it straight in rather than through the chunk.
-            data = bytearray(missing)
-            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([data], _ANC_SIZE)
-            view = memoryview(data)[:nbytes]
-        else:
-            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([self._chunk], _ANC_SIZE)
-            view = self._chunk_view[:nbytes]
+    def _fill(self) -> None:
+        """Read what is there (up to a chunk) onto the end of the buffer."""
+        nbytes = self._recvmsg(self._chunk_view)
+        self._buf += self._chunk_view[:nbytes]
+
+    def _recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the socket."""
+        while view:
+            nbytes = self._recvmsg(view)
+            view = view[nbytes:]
+
+    def _recvmsg(self, view: memoryview) -> int:
+        nbytes, ancdata, flags, _ = self.sock.recvmsg_into([view], _ANC_SIZE)
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array("i")
@@ -553,7 +632,7 @@ class Channel:
             raise EOFError("file descriptors were lost in transit (MSG_CTRUNC)")
         if not nbytes:
             raise EOFError("the peer closed its end of the socket")
-        self._buf += view
+        return nbytes
 
     def close(self) -> None:
         """Close the socket and every descriptor received but not yet mapped."""
