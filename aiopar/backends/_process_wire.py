@@ -170,6 +170,12 @@ class SegmentPool:
         for seg in segs:
             seg.close()
 
+    def close_after_fork(self) -> None:
+        """In a child made by os.fork(): close this process's copies of the
+        descriptors, without the lock (a thread of the parent may hold it)."""
+        self._lock = threading.Lock()
+        self.close()
+
 
 class Packed:
     """A pickled value ready to send: the pickle, plus a segment for big buffers."""
