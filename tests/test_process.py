@@ -937,6 +937,10 @@ def test_every_kind_of_payload_round_trips(pool):
     assert pool.fork(closure).wait() == captured.sum()
     strided = base[::3]
     np.testing.assert_array_equal(pool.fork(np.negative, strided).wait(), -strided)
+    grid = base.reshape(2000, 2000)[::2, 1::3]  # strided both ways
+    np.testing.assert_array_equal(pool.fork(np.negative, grid).wait(), -grid)
+    # A closure among the arguments: pickled a second time, by cloudpickle.
+    assert pool.fork(lambda f, x: f() + x.sum(), lambda: 1, grid).wait() == 1 + grid.sum()
     fortran = np.asfortranarray(base.reshape(2000, 2000))
     out = pool.fork(np.copy, fortran, order="F").wait()
     np.testing.assert_array_equal(out, fortran)
@@ -984,9 +988,30 @@ def test_arrays_anywhere_leave_the_pickle(where):
         segments.close()
 
 
-def test_a_big_frame_is_read_into_one_buffer(monkeypatch):
-    """A frame bigger than the socket buffer is received into one buffer of its
-    size, allocated once, and unpickled from it (no buffer per read)."""
+@pytest.fixture
+def channels():
+    """Two ends of a wire, and the segment pool they send from."""
+    left, right = socket.socketpair()
+    segments = wire.SegmentPool()
+    ends = [wire.Channel(sock, segments.release, lambda seg_id: None) for sock in (left, right)]
+    yield *ends, segments
+    for end in ends:
+        end.close()
+    segments.close()
+
+
+def _send_in_a_thread(channel, messages):
+    """Send (kind, id, packed) messages from another thread (a big one
+    blocks until the receiver reads it)."""
+    thread = threading.Thread(target=lambda: [channel.send(*m) for m in messages])
+    thread.start()
+    return thread
+
+
+def test_a_big_pickle_on_the_socket_is_read_into_one_buffer(channels, monkeypatch):
+    """Received into one buffer of its size, allocated once, and unpickled
+    from it: no buffer per read (where there is no shared memory)."""
+    sender, receiver, segments = channels
     allocations = []
     real_bytearray = bytearray
 
@@ -997,31 +1022,35 @@ def test_a_big_frame_is_read_into_one_buffer(monkeypatch):
         return buf
 
     monkeypatch.setattr(wire, "bytearray", counting_bytearray, raising=False)
-    left, right = socket.socketpair()
-    segments = wire.SegmentPool()
-    sender = wire.Channel(left, segments.release, lambda seg_id: None)
-    receiver = wire.Channel(right, segments.release, lambda seg_id: None)
+    monkeypatch.setattr(wire, "LARGE_PICKLE", 1 << 40)  # every pickle on the socket
     value = os.urandom(16 << 20)
     small = wire.Packed(b"small", [], None, None)
-    thread = threading.Thread(
-        target=lambda: [
-            sender.send(wire.RESULT, 1, small),
-            sender.send(wire.RESULT, 2, wire.pack(value, segments)),
-            sender.send(wire.RESULT, 3, small),
-        ]
+    big = wire.pack(value, segments)
+    assert big.segment is None
+    thread = _send_in_a_thread(
+        sender, [(wire.RESULT, 1, small), (wire.RESULT, 2, big), (wire.RESULT, 3, small)]
     )
-    thread.start()
-    try:
-        frames = [receiver.recv() for _ in range(3)]
-    finally:
-        thread.join()
-        sender.close()
-        receiver.close()
-        segments.close()
+    frames = [receiver.recv() for _ in range(3)]
+    thread.join()
     assert [f.msg_id for f in frames] == [1, 2, 3]
     assert frames[0].payload == frames[2].payload == b"small"
-    assert frames[1].loads() == value
     assert len(allocations) == 1 and frames[1].payload is allocations[0]
+    assert frames[1].loads() == value
+
+
+def test_a_big_pickle_travels_in_shared_memory(channels):
+    sender, receiver, segments = channels
+    array = np.arange(100_000.0)
+    value = [b"x" * (4 << 20), "y" * (2 << 20), array, list(range(1000))]
+    packed = wire.pack(value, segments)
+    assert packed.payload == b"" and packed.pickle_in_segment > 6 << 20
+    assert packed.lengths == [array.nbytes]  # the array's buffer first, then the pickle
+    thread = _send_in_a_thread(sender, [(wire.RESULT, 1, packed)])
+    frame = receiver.recv()
+    thread.join()
+    got = frame.loads()
+    assert got[:2] == value[:2] and got[3] == value[3]
+    np.testing.assert_array_equal(got[2], array)
 
 
 def test_shared_memory_goes_back_when_a_worker_dies_or_a_task_fails(own_pool):

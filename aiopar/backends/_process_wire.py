@@ -7,10 +7,12 @@ captured by a closure; bytearrays, ...) leave the pickle stream: they are
 copied once into a shared-memory segment (a ``memfd``) whose descriptor
 travels with the message (``SCM_RIGHTS``), and the receiver maps it and
 rebuilds the arrays on top of the mapping without copying again. An array
-that is not contiguous (a strided slice) is made contiguous once, so it
-leaves the stream too. What stays in the pickle (``bytes``, ``str``, lists
-of numbers, ...) is read into one buffer of the frame's size, so a frame of
-any size costs time in proportion to its size.
+that is not contiguous (a strided slice) is copied into the segment
+contiguously, so it leaves the stream too. A pickle of ``LARGE_PICKLE`` bytes or more (a big
+``bytes``, ``str`` or list) rides in the segment as well, after the buffers,
+and the receiver unpickles it from the mapping; a smaller one travels on the
+socket, read into one buffer of its size. Either way a message costs time
+in proportion to its size.
 
 A segment has no name, so nothing can be left behind in ``/dev/shm``: the
 kernel frees it once the last descriptor and mapping are gone, even if
@@ -23,7 +25,6 @@ Without ``os.memfd_create`` (not Linux) every buffer stays in the pickle.
 from __future__ import annotations
 
 import copyreg
-import io
 import mmap
 import os
 import pickle
@@ -44,6 +45,8 @@ __all__ = ["Channel", "Frame", "Packed", "SegmentPool", "load_call", "pack", "pa
 
 #: buffers at least this big travel in shared memory, smaller ones in the pickle
 LARGE_BUFFER = 64 * 1024
+#: a pickle at least this big travels in shared memory, a smaller one on the socket
+LARGE_PICKLE = 1024 * 1024
 #: free segment memory each process keeps for reuse before it gives memory back
 SEGMENT_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -53,9 +56,11 @@ _ALIGN = 64  # buffers start on cache-line boundaries inside a segment
 # kinds of frame
 TASK, RESULT, ERROR, READY, RELEASE, PATH = 1, 2, 3, 4, 5, 6
 
-# kind, has segment, buffer count, released-id count, message id,
+# kind, segment flags, buffer count, released-id count, message id,
 # segment id, segment size, payload size, start and end times (ns)
 _HEADER = struct.Struct("<BBxxIIxxxxqQQQqq")
+# segment flags: there is a segment; the pickle is in it, after the buffers
+_HAS_SEGMENT, _PICKLE_IN_SEGMENT = 1, 2
 _ANC_SIZE = socket.CMSG_SPACE(16 * array("i").itemsize)
 _ZERO_COPY_MAP = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -92,34 +97,36 @@ class SegmentPool:
         self._cache_bytes = cache_bytes
         self._next_id = 1
 
-    def write(self, views: list[memoryview], size: int) -> Segment:
-        """A segment holding ``views`` back to back, each at an aligned offset."""
+    def write(self, placed: list[tuple[int, memoryview | Filler]], size: int) -> Segment:
+        """A segment of ``size`` bytes or more holding each view at its offset
+        (or, for a filler, whatever it writes into the memory from there)."""
         with self._lock:
             seg = self._take(size)
             self._busy[seg.id] = seg
         try:
-            if seg.size >= size:
-                # A reused segment: its pages exist, so a mapping kept from
-                # one use to the next makes the copy a plain memcpy.
-                if seg.mapping is None:
-                    seg.mapping = mmap.mmap(seg.fd, seg.size, flags=_ZERO_COPY_MAP)
-                offset = 0
-                for view in views:
-                    seg.mapping[offset : offset + view.nbytes] = view
-                    offset += _aligned(view.nbytes)
-                return seg
-            if seg.mapping is not None:
-                seg.mapping.close()
-                seg.mapping = None
-            os.ftruncate(seg.fd, size)
-            seg.size = size
-            offset = 0
-            for view in views:
-                # New pages: pwrite fills them without faulting each one in here.
-                written = os.pwrite(seg.fd, view, offset)
-                while written < view.nbytes:
-                    written += os.pwrite(seg.fd, view[written:], offset + written)
-                offset += _aligned(view.nbytes)
+            if seg.size < size:
+                if seg.mapping is not None:
+                    seg.mapping.close()
+                    seg.mapping = None
+                os.ftruncate(seg.fd, size)
+                seg.size = size
+                if all(type(part) is memoryview for _, part in placed):
+                    for offset, view in placed:
+                        # New pages: pwrite fills them without faulting each one in here.
+                        written = os.pwrite(seg.fd, view, offset)
+                        while written < view.nbytes:
+                            written += os.pwrite(seg.fd, view[written:], offset + written)
+                    return seg
+            # A reused segment's pages exist, so a mapping kept from one use
+            # to the next makes the copy a plain memcpy.
+            if seg.mapping is None:
+                seg.mapping = mmap.mmap(seg.fd, seg.size, flags=_ZERO_COPY_MAP)
+            with memoryview(seg.mapping) as whole:
+                for offset, part in placed:
+                    if type(part) is memoryview:
+                        whole[offset : offset + part.nbytes] = part
+                    else:
+                        part(whole[offset:])
         except BaseException:
             self.release(seg.id)
             raise
@@ -178,9 +185,13 @@ class SegmentPool:
 
 
 class Packed:
-    """A pickled value ready to send: the pickle, plus a segment for big buffers."""
+    """A pickled value ready to send: the pickle, plus a segment for big buffers.
 
-    __slots__ = ("lengths", "payload", "pool", "segment")
+    ``lengths`` are the sizes of the buffers in the segment; a pickle of
+    ``pickle_in_segment`` bytes follows them there (then ``payload`` is empty).
+    """
+
+    __slots__ = ("lengths", "payload", "pickle_in_segment", "pool", "segment")
 
     def __init__(
         self,
@@ -188,11 +199,13 @@ class Packed:
         lengths: list[int],
         segment: Segment | None,
         pool: SegmentPool | None,
+        pickle_in_segment: int = 0,
     ) -> None:
         self.payload = payload
         self.lengths = lengths
         self.segment = segment
         self.pool = pool
+        self.pickle_in_segment = pickle_in_segment
 
     def discard(self) -> None:
         """Give the segment back: the value will never be sent."""
@@ -206,13 +219,36 @@ def _pickle_by_value_modules() -> bool:
     return bool(getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", True))
 
 
+#: writes an array into the segment memory it is given
+Filler = Callable[[memoryview], None]
+
+# pack()'s stand-ins for strided arrays, by id: (stand-in, the array)
+_packing = threading.local()
+
+
 def _contiguous_reduce(a: Any) -> Any:
     # numpy writes an array that is neither C- nor Fortran-contiguous (a
-    # strided slice) into the pickle itself; one contiguous copy lets its
-    # buffer leave the stream like any other array's.
+    # strided slice) into the pickle itself; a contiguous one leaves the
+    # stream like any other. A big one is copied once, straight into the
+    # segment: pickled meanwhile is an untouched stand-in (no page of it is
+    # ever faulted in).
     if not (a.flags.c_contiguous or a.flags.f_contiguous) and not a.dtype.hasobject:
-        a = a.copy()
+        stand_ins = getattr(_packing, "stand_ins", None)
+        if stand_ins is not None and a.nbytes >= LARGE_BUFFER:
+            contiguous = sys.modules["numpy"].empty(a.shape, a.dtype)
+            stand_ins[id(contiguous)] = (contiguous, a)
+            a = contiguous
+        else:
+            a = a.copy()
     return a.__reduce_ex__(5)
+
+
+def _filler(array: Any) -> Filler:
+    def fill(memory: memoryview) -> None:
+        numpy = sys.modules["numpy"]
+        numpy.copyto(numpy.ndarray(array.shape, array.dtype, buffer=memory), array)
+
+    return fill
 
 
 # (numpy's ndarray, copyreg's table size, the plain and the cloudpickle Pickler)
@@ -239,10 +275,29 @@ def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
     return cached[2], cached[3]
 
 
-def _dumps(pickler: type[pickle.Pickler], obj: Any, buffer_callback: Callable[..., Any]) -> bytes:
-    out = io.BytesIO()
-    pickler(out, protocol=5, buffer_callback=buffer_callback).dump(obj)
-    return out.getvalue()
+class _Chunks(list):  # type: ignore[type-arg]
+    """What a Pickler writes, piece by piece: it hands a big ``bytes`` over
+    as the object itself, so pickling one copies nothing."""
+
+    def write(self, data: Any) -> None:
+        # A view of a mutable buffer (in-band only where there is no memfd)
+        # is copied: the caller may change it before the message is sent.
+        self.append(data if type(data) is bytes else bytes(data))
+
+
+def _dumps(
+    pickler: type[pickle.Pickler], obj: Any, buffer_callback: Callable[..., Any]
+) -> list[bytes]:
+    chunks = _Chunks()
+    pickler(chunks, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return chunks
+
+
+def _mentions_of_main(chunks: list[bytes]) -> int:
+    # A reference to __main__ is written by the pickler into one of its
+    # frames (64 KiB or so); a bigger chunk is a user's bytes or str, never
+    # scanned.
+    return sum(chunk.count(b"__main__") for chunk in chunks if len(chunk) < 256 * 1024)
 
 
 def pack(
@@ -270,26 +325,46 @@ def pack(
         return False
 
     plain, cloud = _pickler_classes()
-    payload = None
-    if plain_first and (not by_value or not _pickle_by_value_modules()):
-        # The C pickler is several times faster than cloudpickle; its output
-        # is the same unless something refers to __main__ (which a worker
-        # does not import) or cannot be pickled by reference at all.
-        try:
-            payload = _dumps(plain, obj, buffer_callback)
-        except Exception:
-            payload = None
-        if by_value and payload is not None and payload.count(b"__main__") > _mains:
-            payload = None
-    if payload is None:
-        large.clear()
-        payload = _dumps(cloud, obj, buffer_callback)
-    if not large:
-        return Packed(payload, [], None, None)
+    chunks = None
+    stand_ins: dict[int, tuple[Any, Any]] = {}
+    _packing.stand_ins = stand_ins if _HAVE_MEMFD else None
+    try:
+        if plain_first and (not by_value or not _pickle_by_value_modules()):
+            # The C pickler is several times faster than cloudpickle; its
+            # output is the same unless something refers to __main__ (which
+            # a worker does not import) or cannot be pickled by reference.
+            try:
+                chunks = _dumps(plain, obj, buffer_callback)
+            except Exception:
+                chunks = None
+            if by_value and chunks is not None and _mentions_of_main(chunks) > _mains:
+                chunks = None
+        if chunks is None:
+            large.clear()
+            stand_ins.clear()
+            chunks = _dumps(cloud, obj, buffer_callback)
+    finally:
+        _packing.stand_ins = None
+    pickle_size = sum(len(chunk) for chunk in chunks)
+    in_segment = pickle_size >= LARGE_PICKLE and _HAVE_MEMFD
+    if not large and not in_segment:
+        return Packed(chunks[0] if len(chunks) == 1 else b"".join(chunks), [], None, None)
+    placed: list[tuple[int, memoryview | Filler]] = []
+    offset = 0
+    for view in large:
+        stand_in = stand_ins.get(id(view.obj))
+        placed.append((offset, view if stand_in is None else _filler(stand_in[1])))
+        offset += _aligned(view.nbytes)
+    if in_segment:
+        for chunk in chunks:  # back to back: the receiver reads one pickle
+            placed.append((offset, memoryview(chunk)))
+            offset += len(chunk)
+        payload = b""
+    else:
+        payload = b"".join(chunks)
+    segment = pool.write(placed, offset)
     lengths = [view.nbytes for view in large]
-    size = sum(_aligned(n) for n in lengths)
-    segment = pool.write(large, size)
-    return Packed(payload, lengths, segment, pool)
+    return Packed(payload, lengths, segment, pool, pickle_size if in_segment else 0)
 
 
 # -- functions that travel by value ---------------------------------------------
@@ -412,7 +487,7 @@ class Frame:
         self,
         kind: int,
         msg_id: int,
-        payload: bytes | bytearray,
+        payload: bytes | bytearray | memoryview,
         buffers: list[memoryview],
         t0: int,
         t1: int,
@@ -425,8 +500,13 @@ class Frame:
         self.t1 = t1
 
     def loads(self) -> Any:
-        """Unpickle the payload on top of the received buffers."""
-        return pickle.loads(self.payload, buffers=self.buffers)
+        """Unpickle the payload on top of the received buffers, then let go
+        of both (the arrays built on a segment keep it mapped)."""
+        try:
+            return pickle.loads(self.payload, buffers=self.buffers)
+        finally:
+            self.payload = b""
+            self.buffers = []
 
 
 def _map_segment(
@@ -532,18 +612,22 @@ class Channel:
     ) -> None:
         released = list(released)
         if packed is None:
-            seg, payload, lengths = None, b"", []
+            seg, payload, lengths, in_segment = None, b"", [], 0
         else:
             seg, payload, lengths = packed.segment, packed.payload, packed.lengths
+            in_segment = packed.pickle_in_segment
+        flags = 0
+        if seg is not None:
+            flags = _HAS_SEGMENT | (_PICKLE_IN_SEGMENT if in_segment else 0)
         header = _HEADER.pack(
             kind,
-            seg is not None,
+            flags,
             len(lengths),
             len(released),
             msg_id,
             seg.id if seg is not None else 0,
-            sum(_aligned(n) for n in lengths) if lengths else 0,
-            len(payload),
+            sum(_aligned(n) for n in lengths) + in_segment,
+            in_segment or len(payload),
             t0,
             t1,
         )
@@ -570,8 +654,8 @@ class Channel:
         return len(self._buf) >= _HEADER.size and self._frame_size() <= len(self._buf)
 
     def _frame_size(self) -> int:
-        _, _, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
-        return _HEADER.size + 8 * (nbufs + nrel) + plen
+        _, flags, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
+        return _HEADER.size + 8 * (nbufs + nrel) + (0 if flags & _PICKLE_IN_SEGMENT else plen)
 
     def recv(self) -> Frame | None:
         """The next frame, blocking until it is whole; None for a frame that
@@ -579,9 +663,10 @@ class Channel:
         buf = self._buf
         while len(buf) < _HEADER.size:
             self._fill()
-        kind, has_seg, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(
-            buf
-        )
+        kind, flags, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(buf)
+        in_segment = plen if flags & _PICKLE_IN_SEGMENT else 0
+        if in_segment:
+            plen = 0  # on the socket
         start = _HEADER.size + 8 * (nbufs + nrel)
         end = start + plen
         # Small frames come through the chunk (a read may take several);
@@ -590,7 +675,7 @@ class Channel:
         while len(buf) < start or len(buf) < end <= len(buf) + len(self._chunk):
             self._fill()
         ids = array("Q")
-        payload: bytes | bytearray
+        payload: bytes | bytearray | memoryview
         with memoryview(buf) as view:
             ids.frombytes(view[_HEADER.size : start])
             if len(buf) >= end:
@@ -606,12 +691,17 @@ class Channel:
         for released_id in ids[nbufs:]:
             self._on_released(released_id)
         buffers: list[memoryview] = []
-        if has_seg:
+        if flags & _HAS_SEGMENT:
             if not self._fds:
                 raise EOFError("a frame announced a shared-memory segment that did not arrive")
             fd = self._fds.popleft()
             on_unmapped = self._on_unmapped
-            buffers = _map_segment(fd, seg_size, list(ids[:nbufs]), lambda: on_unmapped(seg_id))
+            lengths = list(ids[:nbufs])
+            if in_segment:
+                lengths.append(in_segment)
+            buffers = _map_segment(fd, seg_size, lengths, lambda: on_unmapped(seg_id))
+            if in_segment:
+                payload = buffers.pop()
         if kind == RELEASE:
             return None
         return Frame(kind, msg_id, payload, buffers, t0, t1)
