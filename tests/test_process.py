@@ -103,6 +103,36 @@ def own_pool():
         backend.shutdown(cancel_pending=True)
 
 
+def _eventually(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _run_script(tmp_path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (its new parent may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 # -- helpers that run in workers ---------------------------------------------
 
 
@@ -373,13 +403,6 @@ def test_task_that_cannot_be_unpickled_in_the_worker(pool):
 # -- cancel and shutdown ---------------------------------------------------------
 
 
-def _until_running(fut):
-    deadline = time.monotonic() + 30
-    while not fut.running():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-
-
 def test_cancel_before_sent(own_pool):
     backend = own_pool(1, prefetch=0)
     running = backend.fork(sleep_then, 0.5, "first")
@@ -395,7 +418,7 @@ def test_cancel_before_sent(own_pool):
 def test_prefetched_task_is_no_longer_cancellable(own_pool):
     backend = own_pool(1, prefetch=1)
     running = backend.fork(sleep_then, 0.3, "first")
-    _until_running(running)
+    _eventually(running.running)
     prefetched = backend.fork(add, 1)
     queued = backend.fork(add, 2)
     assert not prefetched.cancel()
@@ -416,7 +439,7 @@ def test_shutdown_runs_what_was_queued(own_pool):
 def test_shutdown_cancel_pending(own_pool):
     backend = own_pool(1, prefetch=0)
     running = backend.fork(sleep_then, 0.3, "ran")
-    _until_running(running)
+    _eventually(running.running)
     queued = [backend.fork(add, i) for i in range(5)]
     backend.shutdown(wait=True, cancel_pending=True)
     assert running.value() == "ran"
@@ -438,20 +461,14 @@ def test_shutdown_of_an_unused_backend():
 
 
 def test_interpreter_exit_with_pending_work(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import time, aiopar
-            backend = aiopar.get_backend("process", max_workers=1)
-            futures = [backend.fork(time.sleep, 0.05) for _ in range(4)]
-            futures[-1].add_done_callback(lambda f: print("last done", flush=True))
-            """
-        )
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env
+    done = _run_script(
+        tmp_path,
+        """
+        import time, aiopar
+        backend = aiopar.get_backend("process", max_workers=1)
+        futures = [backend.fork(time.sleep, 0.05) for _ in range(4)]
+        futures[-1].add_done_callback(lambda f: print("last done", flush=True))
+        """,
     )
     assert done.returncode == 0, done.stderr
     assert "last done" in done.stdout
@@ -637,36 +654,6 @@ def test_big_values_without_buffers_take_the_socket(pool):
 # -- edges: callbacks, stuck tasks, a dying or forking parent, paths, payloads -----
 
 
-def _eventually(predicate, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
-def _run_script(tmp_path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(source))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=tmp_path,
-    )
-
-
-def _exited(pid: int) -> bool:
-    """Whether ``pid`` is gone or a zombie (its new parent may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 # -- callbacks ---------------------------------------------------------------------
 
 
@@ -741,6 +728,28 @@ def test_interpreter_exit_terminates_a_stuck_worker(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "stuck: BrokenWorkerError(" in done.stdout
     assert "the interpreter is exiting and no task finished for 0.5 s" in done.stdout
+
+
+def test_exit_after_an_uncaught_keyboard_interrupt_cancels_the_queue(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import time, aiopar
+
+        backend = aiopar.get_backend("process", max_workers=1, prefetch=0, grace=0.5)
+        assert backend.fork(abs, -1).wait() == 1
+        stuck = backend.fork(time.sleep, 3600)  # starts at once on the idle worker
+        stuck.add_done_callback(lambda f: print("stuck:", repr(f.exception()), flush=True))
+        for i in range(3):
+            backend.fork(print, "ran", i).add_done_callback(
+                lambda f: print("cancelled:", f.cancelled(), flush=True)
+            )
+        raise KeyboardInterrupt
+        """,
+    )
+    assert done.returncode != 0  # the interrupt still ends the program
+    assert done.stdout.count("cancelled: True") == 3 and "ran 0" not in done.stdout
+    assert "0.5 s after an uncaught KeyboardInterrupt" in done.stdout
 
 
 def test_exit_still_runs_the_queue_while_tasks_finish(tmp_path):

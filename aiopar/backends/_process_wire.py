@@ -8,11 +8,11 @@ copied once into a shared-memory segment (a ``memfd``) whose descriptor
 travels with the message (``SCM_RIGHTS``), and the receiver maps it and
 rebuilds the arrays on top of the mapping without copying again. An array
 that is not contiguous (a strided slice) is copied into the segment
-contiguously, so it leaves the stream too. A pickle of ``LARGE_PICKLE`` bytes or more (a big
-``bytes``, ``str`` or list) rides in the segment as well, after the buffers,
-and the receiver unpickles it from the mapping; a smaller one travels on the
-socket, read into one buffer of its size. Either way a message costs time
-in proportion to its size.
+contiguously, so it leaves the stream too. A pickle of ``LARGE_PICKLE``
+bytes or more (a big ``bytes``, ``str`` or list) rides in the segment as
+well, after the buffers, and the receiver unpickles it from the mapping; a
+smaller one travels on the socket, read into one buffer of its size. Either
+way a message costs time in proportion to its size.
 
 A segment has no name, so nothing can be left behind in ``/dev/shm``: the
 kernel frees it once the last descriptor and mapping are gone, even if
@@ -251,8 +251,8 @@ def _filler(array: Any) -> Filler:
     return fill
 
 
-# (numpy's ndarray, copyreg's table size, the plain and the cloudpickle Pickler)
-_picklers: tuple[Any, int, type[pickle.Pickler], type[pickle.Pickler]] | None = None
+# (copyreg's table size, the plain and the cloudpickle Pickler)
+_picklers: tuple[int, type[pickle.Pickler], type[pickle.Pickler]] | None = None
 
 
 def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
@@ -263,7 +263,7 @@ def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
     if numpy is None:
         return pickle.Pickler, cloudpickle.Pickler
     cached = _picklers
-    if cached is None or cached[1] != len(copyreg.dispatch_table):
+    if cached is None or cached[0] != len(copyreg.dispatch_table):
         ndarray = numpy.ndarray
         # A plain dict (a ChainMap would cost a Python call per object
         # pickled), rebuilt when a library registers a reducer.
@@ -271,8 +271,8 @@ def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
         cloud_table = ChainMap({ndarray: _contiguous_reduce}, cloudpickle.Pickler.dispatch_table)
         plain = type("Pickler", (pickle.Pickler,), {"dispatch_table": plain_table})
         cloud = type("Pickler", (cloudpickle.Pickler,), {"dispatch_table": cloud_table})
-        cached = _picklers = (ndarray, len(copyreg.dispatch_table), plain, cloud)
-    return cached[2], cached[3]
+        cached = _picklers = (len(copyreg.dispatch_table), plain, cloud)
+    return cached[1], cached[2]
 
 
 class _Chunks(list):  # type: ignore[type-arg]

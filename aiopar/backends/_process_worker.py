@@ -113,11 +113,9 @@ def _call(frame: wire.Frame, pool: wire.SegmentPool) -> wire.Packed:
         exc.add_note(
             "(aiopar: raised while unpickling the task in a worker process; the worker "
             "must be able to import every module that the function and its arguments "
-            "come from)"
+            "come from, and its sys.path is the parent's as of the fork)"
         )
         raise
-    finally:
-        frame.buffers = []  # the arguments alone keep their segment mapped now
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     result = fn(*args, **kwargs)
     del fn, args, kwargs

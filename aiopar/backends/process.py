@@ -458,6 +458,7 @@ class ProcessBackend(Backend):
         handed_off = False
         try:
             while True:
+                timeout = self._enforce_deadline(settles)
                 with self._lock:
                     for job, error in self._start_workers():
                         job.packed.discard()
@@ -469,7 +470,6 @@ class ProcessBackend(Backend):
                                 selector.register(worker.channel, selectors.EVENT_READ, worker)
                             if worker.pidfd is not None:
                                 selector.register(worker.pidfd, selectors.EVENT_READ, worker)
-                    timeout = self._enforce_deadline(settles)
                     stop = self._closed and not self._pending and not self._busy()
                 # Settled last, right before select() lets go of the GIL, so
                 # a waiter that wakes up finds it free.
@@ -532,44 +532,45 @@ class ProcessBackend(Backend):
     def _enforce_deadline(self, settles: list[_Settle]) -> float | None:
         """Once shutdown's deadline has passed, terminate the workers still
         running a task and drop the queue (adding the futures to ``settles``);
-        return how long the manager may sleep (None: until something happens).
-
-        Called with the lock held.
-        """
+        return how long the manager may sleep (None: until something happens)."""
         if self._deadline is None:
             return None
         now = time.monotonic()
         if now < self._deadline:
             return self._deadline - now
         why = self._why_terminated
-        for job in self._pending:
-            job.packed.discard()
-            if job.future.running():  # resent after its first worker died: too late to cancel
-                error = BrokenWorkerError(f"{job.name}() never ran: the pool was stopped ({why})")
-                settles.append((job.future, (None, error)))
-            else:
-                settles.append((job.future, None))
-        self._pending.clear()
+        terminating = []
         kill_at = math.inf
-        for worker in self._workers:
-            if not worker.inflight:
-                continue
-            if worker.terminated is None:
-                _logger.warning(
-                    "%r: terminating %r, which is still running %s(): %s "
-                    "(ProcessBackend(grace=...) sets how long a shutdown waits)",
-                    self,
-                    worker,
-                    worker.inflight[0].name,
-                    why,
-                )
-                worker.terminated = why
-                worker.kill_at = now + _KILL_AFTER
-                worker.process.terminate()
-            elif now >= worker.kill_at:
-                worker.kill_at = math.inf
-                worker.process.kill()
-            kill_at = min(kill_at, worker.kill_at)
+        with self._lock:
+            for job in self._pending:
+                job.packed.discard()
+                if job.future.running():  # resent after its first worker died: too late to cancel
+                    message = f"{job.name}() never ran: the pool was stopped ({why})"
+                    settles.append((job.future, (None, BrokenWorkerError(message))))
+                else:
+                    settles.append((job.future, None))
+            self._pending.clear()
+            for worker in self._workers:
+                if not worker.inflight:
+                    continue
+                if worker.terminated is None:
+                    terminating.append((worker, worker.inflight[0].name))
+                    worker.terminated = why
+                    worker.kill_at = now + _KILL_AFTER
+                    worker.process.terminate()
+                elif now >= worker.kill_at:
+                    worker.kill_at = math.inf
+                    worker.process.kill()
+                kill_at = min(kill_at, worker.kill_at)
+        for worker, name in terminating:
+            _logger.warning(
+                "%r: terminating %r, which is still running %s(): %s "
+                "(ProcessBackend(grace=...) sets how long a shutdown waits)",
+                self,
+                worker,
+                name,
+                why,
+            )
         return None if kill_at == math.inf else kill_at - now
 
     def _busy(self) -> bool:
