@@ -110,16 +110,20 @@ def _eventually(predicate, timeout: float = 30) -> None:
         time.sleep(0.005)
 
 
+def _script_env() -> dict[str, str]:
+    """The environment for a script that imports what this process does."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
 def _run_script(tmp_path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=_script_env(),
         cwd=tmp_path,
     )
 
@@ -651,9 +655,6 @@ def test_big_values_without_buffers_take_the_socket(pool):
     assert [f.wait() for f in futures] == [sorted(words[i::7]) for i in range(7)]
 
 
-# -- edges: callbacks, stuck tasks, a dying or forking parent, paths, payloads -----
-
-
 # -- callbacks ---------------------------------------------------------------------
 
 
@@ -692,7 +693,6 @@ def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
         queued = backend.fork(abs, -2)
         while not stuck.running():
             time.sleep(0.01)
-        pid = backend._workers[0].pid
         backend.shutdown(wait=True, cancel_pending=True)
         print("stuck:", repr(stuck.exception()))
         print("prefetched:", repr(prefetched.exception()))
@@ -786,9 +786,8 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_script_env()
     )
     pids: list[int] = []
     try:
