@@ -711,6 +711,30 @@ def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
     assert "terminating" in done.stderr  # logged, with what to change
 
 
+def test_a_stuck_worker_that_ignores_sigterm_is_killed(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import os, signal, time
+        from aiopar.backends.process import ProcessBackend
+
+        def stubborn():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open("ignoring", "w").close()
+            time.sleep(3600)
+
+        backend = ProcessBackend(1, grace=0.2)
+        future = backend.fork(stubborn)
+        while not os.path.exists("ignoring"):
+            time.sleep(0.01)
+        backend.shutdown(cancel_pending=True)
+        print(repr(future.exception()))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "BrokenWorkerError(" in done.stdout and "stubborn() was terminated" in done.stdout
+
+
 def test_interpreter_exit_terminates_a_stuck_worker(tmp_path):
     done = _run_script(
         tmp_path,

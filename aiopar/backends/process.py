@@ -531,29 +531,30 @@ class ProcessBackend(Backend):
 
     def _enforce_deadline(self, settles: list[_Settle]) -> float | None:
         """Once shutdown's deadline has passed, terminate the workers still
-        running a task and drop the queue (adding the futures to ``settles``);
-        return how long the manager may sleep (None: until something happens)."""
+        running a task (kill them a second later) and drop the queue, adding
+        the futures to ``settles``; return how long the manager may sleep
+        (None: until something happens)."""
         if self._deadline is None:
             return None
         now = time.monotonic()
-        if now < self._deadline:
-            return self._deadline - now
+        due = now >= self._deadline
+        wake_at = math.inf if due else self._deadline
         why = self._why_terminated
         terminating = []
-        kill_at = math.inf
         with self._lock:
-            for job in self._pending:
-                job.packed.discard()
-                if job.future.running():  # resent after its first worker died: too late to cancel
-                    message = f"{job.name}() never ran: the pool was stopped ({why})"
-                    settles.append((job.future, (None, BrokenWorkerError(message))))
-                else:
-                    settles.append((job.future, None))
-            self._pending.clear()
+            if due:
+                for job in self._pending:
+                    job.packed.discard()
+                    if job.future.running():  # resent after its worker died: too late to cancel
+                        message = f"{job.name}() never ran: the pool was stopped ({why})"
+                        settles.append((job.future, (None, BrokenWorkerError(message))))
+                    else:
+                        settles.append((job.future, None))
+                self._pending.clear()
             for worker in self._workers:
-                if not worker.inflight:
-                    continue
                 if worker.terminated is None:
+                    if not due or not worker.inflight:
+                        continue
                     terminating.append((worker, worker.inflight[0].name))
                     worker.terminated = why
                     worker.kill_at = now + _KILL_AFTER
@@ -561,7 +562,7 @@ class ProcessBackend(Backend):
                 elif now >= worker.kill_at:
                     worker.kill_at = math.inf
                     worker.process.kill()
-                kill_at = min(kill_at, worker.kill_at)
+                wake_at = min(wake_at, worker.kill_at)
         for worker, name in terminating:
             _logger.warning(
                 "%r: terminating %r, which is still running %s(): %s "
@@ -571,7 +572,7 @@ class ProcessBackend(Backend):
                 name,
                 why,
             )
-        return None if kill_at == math.inf else kill_at - now
+        return None if wake_at == math.inf else wake_at - now
 
     def _busy(self) -> bool:
         return any(worker.inflight for worker in self._workers)
