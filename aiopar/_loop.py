@@ -22,6 +22,7 @@ from typing import Any
 
 import sniffio
 
+from . import _trace
 from ._errors import CancelledError
 
 __all__ = ["owned_loop", "running_async_library", "start_coroutine", "wait_on_loop"]
@@ -254,12 +255,17 @@ def start_coroutine(
     one, else the owned loop. ``fut`` is claimed when the coroutine starts, so
     cancelling it before then means the coroutine never runs.
     """
+    profiler = _trace.active
+    record = None if profiler is None else profiler.on_fork_coroutine(fn)
 
     async def run() -> None:
         if not fut._claim():
             return
         try:
-            result = await fn(*args, **kwargs)
+            if record is None:
+                result = await fn(*args, **kwargs)
+            else:
+                result = await record.run_in_steps(fn, args, kwargs)
         except BaseException as exc:
             if not _is_cancellation(exc):
                 fut._settle(None, exc)
