@@ -41,7 +41,7 @@ def _index(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"parallel_for(): {what} must be an integer, got bool {value!r}")
     try:
-        return operator.index(value)  # int, numpy integers
+        return operator.index(value)  # type: ignore[arg-type]  # int, numpy integers
     except TypeError:
         raise TypeError(
             f"parallel_for(): {what} must be an integer, got {type(value).__name__} {value!r:.40}"
