@@ -205,8 +205,8 @@ class TaskRecord:
 
     @property
     def steps(self) -> list[tuple[int, int]]:
-        """For a coroutine, ``(start_ns, end_ns)`` of each step it ran (between
-        awaits), in order, the last one possibly still open; empty for a task."""
+        """For a coroutine, ``(start_ns, end_ns)`` of each step it has run
+        (the stretches between its awaits), in order; empty for a task."""
         times = self._steps or []
         return list(zip(times[::2], times[1::2], strict=False))
 
