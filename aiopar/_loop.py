@@ -21,7 +21,7 @@ from typing import Any
 
 import sniffio
 
-from . import _future
+from . import _future, _trace
 from ._errors import CancelledError
 
 __all__ = [
@@ -367,21 +367,23 @@ def start_coroutine(
     happens to the loop, ``fut`` settles: cancelled if the coroutine never
     started, failed with CancelledError if it stopped before its end.
     """
+    profiler = _trace.active
+    record = None if profiler is None else profiler.on_fork_coroutine(fn)
 
     async def run() -> None:
         if not fut._claim():
             return
         try:
-            result = await fn(*args, **kwargs)
+            if record is None:
+                result = await fn(*args, **kwargs)
+            else:
+                result = await record.run_in_steps(fn, args, kwargs)
         except BaseException as exc:
             if not _is_cancellation(exc) and not isinstance(exc, GeneratorExit):
                 fut._settle(None, exc)
                 return
-            what = (
-                "was closed before it finished"
-                if isinstance(exc, GeneratorExit)
-                else ("cancelled it")
-            )
+            closed = isinstance(exc, GeneratorExit)
+            what = "was closed before it finished" if closed else "cancelled it"
             error = CancelledError(f"the event loop running this coroutine {what}")
             error.__cause__ = exc
             fut._settle(None, error)
