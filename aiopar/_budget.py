@@ -420,10 +420,10 @@ class Slot:
         if forker is self:
             with self.lock:
                 self.running_own -= 1
+                self._fork_finished()
+            return
         if forker is not None:
             forker.fork_finished()
-        if forker is self:
-            return
         with self.lock:
             self.running -= 1
             self._recount()
@@ -456,12 +456,16 @@ class Slot:
     def fork_finished(self) -> None:
         """One of this thread's forks ended, or was cancelled before it started."""
         with self.lock:
-            self.forks_unfinished -= 1
-            if not self.forks_unfinished:
-                self.elsewhere = False
-                if self.sharing:
-                    self.sharing = False
-                    self._recount()
+            self._fork_finished()
+
+    def _fork_finished(self) -> None:
+        # Called with self.lock held.
+        self.forks_unfinished -= 1
+        if not self.forks_unfinished:
+            self.elsewhere = False
+            if self.sharing:
+                self.sharing = False
+                self._recount()
 
     def _waits(self) -> None:
         """This thread waits for a future: rule 3 learns how it forks."""
