@@ -20,7 +20,8 @@ is in this module:
    woken holds a token from the fork on, so its forker's next BLAS call
    already leaves the cores the fork will use, and the forker counts beside
    it from then. A thread that waited within ``WAITS_AT_ONCE`` seconds of
-   its last fork is taken to fork and wait, not to compute beside its forks:
+   its last fork, with no other fork out, is taken to fork and wait, not to
+   compute beside its forks:
    it does not count for its forks until it computes longer than that
    before a wait again. So ``fork(f).wait()`` changes no library setting,
    whichever thread runs ``f``.
@@ -468,9 +469,13 @@ class Slot:
                 self._recount()
 
     def _waits(self) -> None:
-        """This thread waits for a future: rule 3 learns how it forks."""
+        """This thread waits for a future: rule 3 learns how it forks. Only
+        a wait at once with a single fork out is ``fork(f).wait()``: a thread
+        with several forks out goes on to run some of them itself."""
         if self.forks_unfinished:
-            self.anticipates = time.monotonic() - self.forked_at >= WAITS_AT_ONCE
+            self.anticipates = (
+                self.forks_unfinished > 1 or time.monotonic() - self.forked_at >= WAITS_AT_ONCE
+            )
 
     # -- the waiter protocol: this slot's thread blocks in Future.wait --
 
