@@ -187,12 +187,12 @@ DURATION = {"default": "about 20 s", "full": "about a minute on 2 cores"}
 def _add_demo(commands: Any) -> None:
     demo = commands.add_parser(
         "demo",
-        help="run the tutorial's LSTM ensemble: sequential vs forked (about 20 s)",
+        help=f"run the tutorial's LSTM ensemble: sequential vs forked ({DURATION['default']})",
         description="Run the LSTM ensemble of the TorchScript parallelism tutorial "
         "sequentially, with its directions forked and with its models forked, in rounds, "
         "and show each variant's speed-up over the sequential run with its spread, the "
-        "speed-up of forking alone (1 BLAS thread each), and a verdict. About 20 s; "
-        "--full runs the tutorial's sizes (about a minute on 2 cores).",
+        f"speed-up of forking alone (1 BLAS thread each), and a verdict. Takes "
+        f"{DURATION['default']}; --full runs the tutorial's sizes ({DURATION['full']}).",
     )
     demo.add_argument(
         "--backend",
@@ -204,7 +204,7 @@ def _add_demo(commands: Any) -> None:
     )
     size = demo.add_mutually_exclusive_group()
     size.add_argument(
-        "--full", action="store_true", help="the tutorial's sizes (C = 1024): about a minute"
+        "--full", action="store_true", help=f"the tutorial's sizes (C = 1024): {DURATION['full']}"
     )
     size.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke test")
     sizes = DEMO_SIZES["default"]
@@ -238,15 +238,6 @@ def _add_demo(commands: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     import numpy as np
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     from .nn import LSTMEnsemble
     from .nn import _measure as m
@@ -266,70 +257,35 @@ def run_demo(args: argparse.Namespace) -> int:
         f"[bold]aiopar demo[/]: the LSTM ensemble of the TorchScript parallelism tutorial, in "
         f"numpy: {models} bidirectional LSTMs, input (T, B, C) = ({seq_len}, {batch}, "
         f"{input_size}), hidden {hidden}; {_flop_text(flops)} a run; "
-        f"forks on {', '.join(backends)}; "
-        f"{cores} cores."
+        f"forks on {', '.join(backends)}; {cores} cores."
     )
     out.print(_demo_plan(kind, args.rounds, any(given)))
 
     ens = LSTMEnsemble(models, input_size, hidden, seed=0)
     x = np.random.default_rng(0).random((seq_len, batch, input_size), dtype=np.float32)
-    with asyncio.Runner() as loop:
-        sequential = m.Row("sequential", m.ensemble_run(ens, x, "sequential"))
-        rows = [sequential]
-        for backend in backends:
-            on = f" on {backend}" if len(backends) > 1 else ""
-            for variant, runner, how in (
-                ("directions forked", None, ""),
-                ("models forked", None, ""),
-                ("models forked", loop, ", awaited"),
-            ):
-                run = m.ensemble_run(ens, x, variant, backend=backend, runner=runner)
-                rows.append(m.Row(variant + on + how, run, anchor=sequential))
-        # Inter-op alone: with 1 BLAS thread each, only the forks can use more cores.
-        single = m.Row(
-            "sequential, 1 BLAS thread", m.ensemble_run(ens, x, "sequential"), blas_threads=1
-        )
-        interop = m.Row(
-            "models forked, 1 BLAS thread",
-            m.ensemble_run(ens, x, "models forked"),
-            anchor=single,
-            blas_threads=1,
-        )
-        rows += [single, interop]
-
-        progress = Progress(
-            TextColumn("{task.description:<34}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("left"),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        with progress:
-            bar = progress.add_task("GEMM peak", total=None)
-            peak = m.gemm_peak()
-            # The warm-up starts threads and workers, checks every row's
-            # output, and tells how long a round takes.
-            progress.update(bar, description="warm-up: one run of each row")
-            start = time.perf_counter()
-            outputs = []
-            for row in rows:
-                time.sleep(pause)
-                outputs.append(row.call()[0])
-            round_seconds = time.perf_counter() - start
-            rounds = args.rounds or _rounds_that_fit(kind, round_seconds)
-            progress.update(bar, total=rounds * len(rows), completed=0)
-            for index, _ in m.timed_rounds(rows, rounds, pause):
-                progress.update(bar, description=f"round {index + 1} of {rounds}", advance=1)
-            progress.update(bar, description="GEMM peak, again")
-            peak = max(peak, m.gemm_peak())  # the machine may have calmed down
-            prof = None
-            if args.trace is not None:
-                progress.update(bar, description="a traced models-forked run")
-                with profiler.profile() as prof:
-                    m.ensemble_run(ens, x, "models forked", backend=backends[0])()
+    prof = None
+    with asyncio.Runner() as loop, _progress() as progress:
+        rows = _demo_rows(ens, x, backends, loop)
+        bar = progress.add_task("GEMM peak", total=None)
+        peak = m.gemm_peak()
+        # The warm-up starts threads and workers, gives every row's output
+        # for the check, and tells how long a round takes.
+        progress.update(bar, description="warm-up: one run of each row")
+        start = time.perf_counter()
+        outputs = []
+        for row in rows:
+            time.sleep(pause)
+            outputs.append(row.call()[0])
+        rounds = args.rounds or _rounds_that_fit(kind, time.perf_counter() - start)
+        progress.update(bar, total=rounds * len(rows), completed=0)
+        for index, _ in m.timed_rounds(rows, rounds, pause):
+            progress.update(bar, description=f"round {index + 1} of {rounds}", advance=1)
+        progress.update(bar, description="GEMM peak, again")
+        peak = max(peak, m.gemm_peak())  # the machine may have calmed down
+        if args.trace is not None:
+            progress.update(bar, description="a traced models-forked run")
+            with profiler.profile() as prof:
+                m.ensemble_run(ens, x, "models forked", backend=backends[0])()
 
     matches = [bool(np.allclose(o, outputs[0], rtol=1e-4, atol=1e-5)) for o in outputs]
     out.print(_demo_table(rows, matches, rounds, flops, peak))
@@ -339,9 +295,9 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         out.print("[bold red]Outputs differ from the sequential run (marked ✗).[/]")
         status = 1
-    out.print(
-        m.verdict({r.name: r.speedup() for r in rows if r.anchor is sequential}), style="bold"
-    )
+    sequential, single, interop = rows[0], rows[-2], rows[-1]
+    forked = {row.name: row.speedup() for row in rows if row.anchor is sequential}
+    out.print(m.verdict(forked), style="bold")
     blas = m.Spread.paired(single.times, sequential.times)
     out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models))
     if prof is not None:
@@ -358,6 +314,53 @@ def run_demo(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     return status
+
+
+def _demo_rows(ens: Any, x: Any, backends: list[str], loop: asyncio.Runner) -> list[Any]:
+    """The rows: sequential (the anchor), the forked variants on each backend,
+    then the inter-op pair, sequential (its anchor) and models forked, at 1
+    BLAS thread each, where only the forks can use more than one core."""
+    from .nn._measure import Row, ensemble_run
+
+    sequential = Row("sequential", ensemble_run(ens, x, "sequential"))
+    rows = [sequential]
+    for backend in backends:
+        on = f" on {backend}" if len(backends) > 1 else ""
+        for variant, runner, how in (
+            ("directions forked", None, ""),
+            ("models forked", None, ""),
+            ("models forked", loop, " (awaited)"),
+        ):
+            run = ensemble_run(ens, x, variant, backend=backend, runner=runner)
+            rows.append(Row(variant + on + how, run, anchor=sequential))
+    single = Row("sequential, 1 BLAS thread", ensemble_run(ens, x, "sequential"), blas_threads=1)
+    run = ensemble_run(ens, x, "models forked")
+    rows += [single, Row("models forked, 1 BLAS thread", run, anchor=single, blas_threads=1)]
+    return rows
+
+
+def _progress() -> Any:
+    """A progress bar on stderr that leaves no trace once done (nothing when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description:<30}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 def _rounds_that_fit(kind: str, round_seconds: float) -> int:
@@ -424,7 +427,7 @@ def _demo_table(
         best = min(row.times)
         table.add_row(
             row.name + ("" if ok else " ✗"),
-            f"{best * 1e3:.1f} ms",
+            f"{best * 1e3:.1f} ms" if best < 1 else f"{best:.2f} s",
             speedup,
             spread_text,
             f"{flops / best / peak:.0%}",

@@ -34,7 +34,7 @@ def test_demo_quick_in_a_subprocess():
     done = run_cli("demo", "--quick")
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for text in ("directions forked", "models forked", "models forked, awaited", "speed-up"):
+    for text in ("directions forked", "models forked", "models forked (awaited)", "speed-up"):
         assert text in out
     # the inter-op pair: sequential and forked at 1 BLAS thread each
     assert "sequential, 1 BLAS thread" in out and "models forked, 1 BLAS thread" in out
