@@ -105,6 +105,12 @@ def test_explain_when_inter_op_gains_little_calls_the_figures_noisy():
     assert "of an ideal 4x on 8 cores" in line and "noisy" not in line
 
 
+def test_explain_when_blas_threads_gained_nothing():
+    line = explain(spread(1.9, 1.85, 1.95), spread(0.6, 0.7, 0.9), cores=2, tasks=8)
+    assert "BLAS already" not in line
+    assert "BLAS's own threads gained little here (sequential ran 0.70x" in line
+
+
 def test_explain_on_one_core():
     line = explain(spread(0.9), spread(1.0), cores=1, tasks=8)
     assert "nothing can run side by side" in line

@@ -54,6 +54,9 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
 # runtime's spin longer (Intel's 0.2 s: KMP_BLOCKTIME).
 _BLAS_SPIN, _OPENMP_SPIN = 0.15, 0.3
 
+# Below this speed-up from its own threads, BLAS leaves the cores to the forks.
+_BLAS_GAIN = 1.1
+
 
 def spin_pause() -> float:
     """Seconds to pause before a timed run: longer once an OpenMP runtime is loaded (torch)."""
@@ -270,8 +273,13 @@ def explain(interop: Spread, blas: Spread, cores: int, tasks: int) -> str:
             f"these cores (or the runs are too short to pay for a fork), so every figure "
             f"here is noisy; run it again when the machine is idle."
         )
+    if blas.median > _BLAS_GAIN:
+        return (
+            f"Why: {alone}; but BLAS already spreads each matrix product over the cores "
+            f"(sequential ran {blas} as fast with its default threads as with 1), so the "
+            f"forks win only what BLAS leaves idle."
+        )
     return (
-        f"Why: {alone}; but BLAS already spreads each matrix product over the cores "
-        f"(sequential ran {blas} as fast with its default threads as with 1), so the "
-        f"forks win only what BLAS leaves idle."
+        f"Why: {alone}; BLAS's own threads gained little here (sequential ran {blas} as "
+        f"fast with its default threads as with 1), so the cores are the forks' to use."
     )
