@@ -43,7 +43,7 @@ from aiopar.nn._measure import (
     explain,
     gemm_peak,
     spin_pause,
-    timed_rounds,
+    timed_round,
     verdict,
 )
 
@@ -190,7 +190,7 @@ def main() -> None:
     for r in range(rounds):
         peaks.append(gemm_peak(peak_n))
         cores.append(effective_cores())
-        for _ in timed_rounds(rows, 1, spin):
+        for _ in timed_round(rows, spin):
             pass
         console.print(f"round {r + 1}/{rounds} done", style="dim")
 

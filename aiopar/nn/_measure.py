@@ -39,7 +39,7 @@ __all__ = [
     "explain",
     "gemm_peak",
     "spin_pause",
-    "timed_rounds",
+    "timed_round",
     "verdict",
 ]
 
@@ -158,16 +158,15 @@ class Row:
         return None if self.anchor is None else Spread.paired(self.anchor.times, self.times)
 
 
-def timed_rounds(rows: Sequence[Row], rounds: int, pause: float) -> Iterator[tuple[int, Row]]:
-    """Time `rounds` rounds of `rows`, each run after `pause` seconds, appending to ``row.times``.
+def timed_round(rows: Sequence[Row], pause: float) -> Iterator[Row]:
+    """Run every row once, in turn, each after `pause` seconds, appending to ``row.times``.
 
-    Yields ``(round_index, row)`` after each timed run, for a progress display.
+    Yields each row after its timed run, for a progress display.
     """
-    for index in range(rounds):
-        for row in rows:
-            time.sleep(pause)
-            row.times.append(row.call()[1])
-            yield index, row
+    for row in rows:
+        time.sleep(pause)
+        row.times.append(row.call()[1])
+        yield row
 
 
 @dataclass(frozen=True)
@@ -199,15 +198,19 @@ class Spread:
 
     @property
     def wins(self) -> int:
-        """Rounds in which the row was faster than its anchor."""
-        return sum(r > 1 for r in self.ratios)
+        """Rounds in which the row was faster than its anchor, as printed (to 2 decimals)."""
+        return sum(round(r, 2) > 1 for r in self.ratios)
 
     @property
     def outcome(self) -> str:
-        """`faster` or `slower` if every round says so, else `level` (within noise)."""
-        if self.low > 1:
+        """`faster` or `slower` if every round says so as printed, else `level` (within noise).
+
+        Judged on the printed figures (2 decimals), so a round shown as 1.00x
+        never counts for either side.
+        """
+        if round(self.low, 2) > 1:
             return "faster"
-        if self.high < 1:
+        if round(self.high, 2) < 1:
             return "slower"
         return "level"
 
