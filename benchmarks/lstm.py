@@ -171,7 +171,7 @@ def main() -> None:
     for backend in backends:
         for label in forked:
             run = ensemble_run(ens, x, label, backend=backend)
-            rows.append(Row(f"aiopar {label}, {backend}", run, anchor=sequential))
+            rows.append(Row(f"aiopar {label} on {backend}", run, anchor=sequential))
     # Inter-op alone: with every task at 1 BLAS thread, only the forks use more cores.
     single = Row(
         "aiopar sequential, 1 BLAS thread", ensemble_run(ens, x, "sequential"), blas_threads=1
