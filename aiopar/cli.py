@@ -269,26 +269,30 @@ def run_demo(args: argparse.Namespace) -> int:
         bar = progress.add_task("GEMM peak", total=None)
         peak = m.gemm_peak()
         # The warm-up starts threads and workers, gives every row's output
-        # for the check, and tells how long a round takes.
+        # for the check, and tells how long a round may take.
         progress.update(bar, description="warm-up: one run of each row")
         start = time.perf_counter()
         outputs = []
         for row in rows:
             time.sleep(pause)
             outputs.append(row.call()[0])
-        rounds = args.rounds or _rounds_that_fit(kind, time.perf_counter() - start)
-        progress.update(bar, total=rounds * len(rows), completed=0)
+        fixed = args.rounds or (QUICK_ROUNDS if args.quick else None)
+        budget = 0.0 if fixed else ROUND_SECONDS[kind]
+        deadline = time.perf_counter() + budget
+        rounds = fixed or _rounds_left(0, time.perf_counter() - start, budget)
         done = 0
         while done < rounds:
-            progress.update(bar, description=f"round {done + 1} of {rounds}")
+            progress.update(
+                bar, description=f"round {done + 1} of {rounds}", total=rounds * len(rows)
+            )
             start = time.perf_counter()
             for _ in m.timed_round(rows, pause):
                 progress.advance(bar)
             done += 1
-            if done == 1 and not args.rounds:
-                # the warm-up paid for starting threads: the first round tells better
-                rounds = _rounds_that_fit(kind, time.perf_counter() - start)
-                progress.update(bar, total=rounds * len(rows))
+            if not fixed:  # re-plan from the round just timed: the machine may be busy
+                rounds = _rounds_left(
+                    done, time.perf_counter() - start, deadline - time.perf_counter()
+                )
         progress.update(bar, description="GEMM peak, again")
         peak = max(peak, m.gemm_peak())  # the machine may have calmed down
         if args.trace is not None:
@@ -372,12 +376,12 @@ def _progress() -> Any:
     )
 
 
-def _rounds_that_fit(kind: str, round_seconds: float) -> int:
-    """How many rounds of `round_seconds` fit in the budget of `kind`, within ROUNDS."""
-    if kind == "quick":
-        return QUICK_ROUNDS
+def _rounds_left(done: int, round_seconds: float, seconds_left: float) -> int:
+    """How many rounds to run in all, `done` of them run, if one takes `round_seconds`
+    and the budget has `seconds_left`: as many as fit, within ROUNDS."""
     low, high = ROUNDS
-    return max(low, min(high, int(ROUND_SECONDS[kind] / max(round_seconds, 1e-9))))
+    fit = done + int(max(seconds_left, 0.0) / max(round_seconds, 1e-9))
+    return max(done, low, min(high, fit))
 
 
 def _flop_text(flops: float) -> str:

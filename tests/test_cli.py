@@ -16,7 +16,7 @@ from aiopar.cli import (
     ROUND_SECONDS,
     ROUNDS,
     _demo_plan,
-    _rounds_that_fit,
+    _rounds_left,
     main,
 )
 
@@ -59,11 +59,14 @@ def test_demo_says_how_long_it_takes_before_it_starts(capsys):
 
 def test_full_runs_the_tutorials_sizes_and_the_default_fits_a_budget():
     assert DEMO_SIZES["full"] == (50, 50, 1024, 1024, 4)  # T, B, C, hidden, models
-    assert _rounds_that_fit("default", 1.5) == int(ROUND_SECONDS["default"] / 1.5)
-    assert _rounds_that_fit("default", 0.001) == ROUNDS[1]
-    assert _rounds_that_fit("default", 60.0) == ROUNDS[0]  # a slow machine still gets a spread
-    assert _rounds_that_fit("full", 10.0) == 4
-    assert _rounds_that_fit("quick", 0.0) == 2
+    budget = ROUND_SECONDS["default"]
+    assert _rounds_left(0, 1.5, budget) == int(budget / 1.5)
+    assert _rounds_left(0, 0.001, budget) == ROUNDS[1]
+    assert _rounds_left(0, 60.0, budget) == ROUNDS[0]  # a slow machine still gets a spread
+    # re-planned after each round: a busy machine stops at the budget, not before ROUNDS[0]
+    assert _rounds_left(4, 3.0, 2.0) == 4
+    assert _rounds_left(1, 3.0, -5.0) == ROUNDS[0]
+    assert _rounds_left(2, 1.0, 3.5) == 5
 
 
 def test_demo_quick_in_process(capsys):
