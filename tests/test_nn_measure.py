@@ -102,6 +102,11 @@ def test_explain_when_inter_op_works_but_blas_took_the_cores():
 def test_explain_when_inter_op_gains_little_calls_the_figures_noisy():
     line = explain(spread(1.2, 1.1, 1.3), spread(1.5, 1.5, 1.5), cores=2, tasks=8)
     assert "less than half the gain" in line and "noisy" in line
+    assert "slowest thread" not in line
+    # BLAS's threads made sequential slower: they wait for busy cores
+    line = explain(spread(1.0, 0.5, 1.3), spread(0.36, 0.4, 0.3), cores=2, tasks=8)
+    assert "sequential ran only 0.36x as fast with its default BLAS threads as with 1" in line
+    assert "a multi-threaded product waits for its slowest thread" in line
     # on 8 cores, 4 tasks at a time: the ideal is 4x, and 2.4x is more than half the gain
     line = explain(spread(2.6, 2.5, 2.7), spread(3.0, 3.0, 3.0), cores=8, tasks=4)
     assert "of an ideal 4x on 8 cores" in line and "noisy" not in line

@@ -271,10 +271,17 @@ def explain(interop: Spread, blas: Spread, cores: int, tasks: int) -> str:
         f"({interop.range}), of an ideal {ideal}x on {cores} cores"
     )
     if interop.median < 1 + (ideal - 1) / 2:
+        if blas.median >= 1:
+            return (
+                f"Why: {alone}, less than half the gain: other programs are probably busy on "
+                f"these cores (or the runs are too short to pay for a fork), so every figure "
+                f"here is noisy; run it again when the machine is idle."
+            )
         return (
-            f"Why: {alone}, less than half the gain: other programs are probably busy on "
-            f"these cores (or the runs are too short to pay for a fork), so every figure "
-            f"here is noisy; run it again when the machine is idle."
+            f"Why: {alone}, less than half the gain, and sequential ran only {blas} as fast "
+            f"with its default BLAS threads as with 1: other programs are probably busy on "
+            f"these cores, and a multi-threaded product waits for its slowest thread, so "
+            f"every figure here is noisy; run it again when the machine is idle."
         )
     if blas.median > _BLAS_GAIN:
         return (
