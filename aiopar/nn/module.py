@@ -72,12 +72,12 @@ def _read_npz(path: str | os.PathLike[str], into: str) -> dict[str, np.ndarray]:
                 raise
             # numpy would advise allow_pickle=True: unpickling an untrusted file runs its code
             what = "an .npz archive holding object arrays, which only unpickling could read"
-    name = os.fspath(path) if from_torch else "model.pt"
+    example = os.fspath(path) if from_torch else "model.pt"
     raise ValueError(
         f"cannot load {os.fspath(path)!r} into {into}: it is {what}.\n"
         f"Module.load reads an .npz archive written by Module.save (or numpy.savez). "
         f"Weights saved by PyTorch load through torch:\n"
-        f"    state_dict = torch.load({name!r}, map_location='cpu')\n"
+        f"    state_dict = torch.load({example!r}, map_location='cpu')\n"
         f"    module.load_state_dict(state_dict)"
     )
 
