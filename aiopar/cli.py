@@ -276,23 +276,15 @@ def run_demo(args: argparse.Namespace) -> int:
         for row in rows:
             time.sleep(pause)
             outputs.append(row.call()[0])
-        fixed = args.rounds or (QUICK_ROUNDS if args.quick else None)
-        budget = 0.0 if fixed else ROUND_SECONDS[kind]
-        deadline = time.perf_counter() + budget
-        rounds = fixed or _rounds_left(0, time.perf_counter() - start, budget)
-        done = 0
-        while done < rounds:
-            progress.update(
-                bar, description=f"round {done + 1} of {rounds}", total=rounds * len(rows)
-            )
-            start = time.perf_counter()
-            for _ in m.timed_round(rows, pause):
-                progress.advance(bar)
-            done += 1
-            if not fixed:  # re-plan from the round just timed: the machine may be busy
-                rounds = _rounds_left(
-                    done, time.perf_counter() - start, deadline - time.perf_counter()
-                )
+        rounds = _run_rounds(
+            rows,
+            pause,
+            progress,
+            bar,
+            rounds=args.rounds or (QUICK_ROUNDS if args.quick else None),
+            seconds=ROUND_SECONDS.get(kind, 0.0),
+            warm_up=time.perf_counter() - start,
+        )
         progress.update(bar, description="GEMM peak, again")
         peak = max(peak, m.gemm_peak())  # the machine may have calmed down
         if args.trace is not None:
@@ -327,6 +319,38 @@ def run_demo(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     return status
+
+
+def _run_rounds(
+    rows: list[Any],
+    pause: float,
+    progress: Any,
+    bar: Any,
+    *,
+    rounds: int | None,
+    seconds: float,
+    warm_up: float,
+) -> int:
+    """Time rounds of `rows` and return how many ran: `rounds` if given, else as
+    many as fit in `seconds` (within ROUNDS), judged from the `warm_up` at first
+    and then from each round just timed, as the machine may be busy."""
+    from .nn._measure import timed_round
+
+    deadline = time.perf_counter() + seconds
+    planned = rounds or _rounds_left(0, warm_up, seconds)
+    done = 0
+    while done < planned:
+        progress.update(
+            bar, description=f"round {done + 1} of {planned}", total=planned * len(rows)
+        )
+        start = time.perf_counter()
+        for _ in timed_round(rows, pause):
+            progress.advance(bar)
+        done += 1
+        if rounds is None:
+            took, left = time.perf_counter() - start, deadline - time.perf_counter()
+            planned = _rounds_left(done, took, left)
+    return done
 
 
 def _demo_rows(ens: Any, x: Any, backends: list[str], loop: asyncio.Runner) -> list[Any]:
