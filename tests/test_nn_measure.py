@@ -112,10 +112,14 @@ def test_explain_when_inter_op_gains_little_calls_the_figures_noisy():
     assert "of an ideal 4x on 8 cores" in line and "noisy" not in line
 
 
-def test_explain_when_blas_threads_gained_nothing():
-    line = explain(spread(1.9, 1.85, 1.95), spread(0.6, 0.7, 0.9), cores=2, tasks=8)
+def test_explain_when_blas_threads_gained_little_or_lost():
+    line = explain(spread(1.9, 1.85, 1.95), spread(1.0, 1.05, 1.02), cores=2, tasks=8)
     assert "BLAS already" not in line
-    assert "BLAS's own threads gained little here (sequential ran 0.70x" in line
+    assert "BLAS's own threads gained little here (sequential ran 1.02x" in line
+    # slower with every BLAS thread than with 1: they wait for busy cores
+    line = explain(spread(1.9, 1.85, 1.95), spread(0.6, 0.7, 0.9), cores=2, tasks=8)
+    assert "but sequential ran only 0.70x as fast with its default BLAS threads" in line
+    assert "the forked rows look better than the cores allow" in line
 
 
 def test_explain_on_one_core():

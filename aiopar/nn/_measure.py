@@ -155,6 +155,7 @@ class Row:
                 aiopar.set_num_threads(None)
 
     def speedup(self) -> Spread | None:
+        """This row's speed-ups over its anchor, round by round (None for an anchor)."""
         return None if self.anchor is None else Spread.paired(self.anchor.times, self.times)
 
 
@@ -289,7 +290,14 @@ def explain(interop: Spread, blas: Spread, cores: int, tasks: int) -> str:
             f"(sequential ran {blas} as fast with its default threads as with 1), so the "
             f"forks win only what BLAS leaves idle."
         )
+    if blas.median >= 1:
+        return (
+            f"Why: {alone}; BLAS's own threads gained little here (sequential ran {blas} as "
+            f"fast with its default threads as with 1), so the cores are the forks' to use."
+        )
     return (
-        f"Why: {alone}; BLAS's own threads gained little here (sequential ran {blas} as "
-        f"fast with its default threads as with 1), so the cores are the forks' to use."
+        f"Why: {alone}; but sequential ran only {blas} as fast with its default BLAS threads "
+        f"as with 1: other programs are probably busy on these cores, and a multi-threaded "
+        f"product waits for its slowest thread, so the forked rows look better than the "
+        f"cores allow; run it again when the machine is idle."
     )
