@@ -3,29 +3,28 @@
 ``aiopar info``
     the thread budget, backends and BLAS libraries (:func:`aiopar.parallel_info`).
 ``aiopar demo``
-    the LSTM ensemble of the TorchScript parallelism tutorial: sequential,
-    directions forked and models forked, on the chosen backends, called in a
-    script and awaited in an event loop; a table of times, speedups and the
-    fraction of this machine's GEMM peak; ``--trace`` writes the timeline.
+    the LSTM ensemble of the TorchScript parallelism tutorial, sequential and
+    forked, in rounds for about 20 s: each variant's speed-up with its spread
+    over the rounds, a pair of rows at 1 BLAS thread each that isolates
+    inter-op parallelism, and a verdict read from those figures.
 ``aiopar bench``
     runs the suites in ``benchmarks/`` and shows their tables.
 
 Built on :mod:`argparse` and rich, both already at hand (the standard library
 and a core dependency): the command adds no dependency. Bad input gets one
-line on stderr and exit status 2, never a traceback.
+line on stderr and exit status 2, never a traceback. Each subcommand is one
+``_add_<name>`` function that registers its parser and its ``run`` function.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -63,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return USAGE_ERROR
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -72,6 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`aiopar info | head`): stop quietly, as the
+        # Python docs advise for SIGPIPE, pointing stdout at devnull so the
+        # flush at exit does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no file descriptor (captured)
+            pass
+        return 1
 
 
 def _build_parser() -> _Parser:
@@ -81,58 +92,8 @@ def _build_parser() -> _Parser:
     )
     parser.add_argument("--version", action="version", version=f"aiopar {aiopar.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    info = commands.add_parser("info", help="show threads, backends and BLAS libraries")
-    info.set_defaults(run=run_info)
-
-    demo = commands.add_parser(
-        "demo",
-        help="run the tutorial's LSTM ensemble: sequential vs forked",
-        description="Run the LSTM ensemble of the TorchScript parallelism tutorial three "
-        "ways (sequential, directions forked, models forked) on each backend, called "
-        "from a script and awaited in an event loop, and compare the times.",
-    )
-    demo.add_argument(
-        "--backend",
-        type=_backend_list,
-        default=["thread"],
-        metavar="NAMES",
-        help="comma-separated backends to fork on (default: thread; available: "
-        f"{', '.join(aiopar.available_backends())})",
-    )
-    demo.add_argument("--quick", action="store_true", help="a small size, for smoke tests")
-    for flag, what in (
-        ("--seq-len", "time steps"),
-        ("--batch", "batch size"),
-        ("--input-size", "input features"),
-        ("--hidden-size", "hidden units per direction"),
-        ("--models", "models in the ensemble"),
-        ("--repeats", "timed runs per row; the best is shown"),
-    ):
-        default = DEMO_SIZES[flag.strip("-").replace("-", "_")]
-        demo.add_argument(flag, type=_positive_int, metavar="N", help=f"{what} (default {default})")
-    demo.add_argument(
-        "--trace",
-        type=_writable_path,
-        metavar="PATH",
-        help="write a Chrome trace (Trace Event JSON) of the models-forked run",
-    )
-    demo.set_defaults(run=run_demo)
-
-    bench = commands.add_parser(
-        "bench",
-        help="run the benchmark suites in benchmarks/",
-        description="Run benchmark suites (each a script in benchmarks/) one after another "
-        "with this Python, showing their tables. Arguments after '--' go to every suite.",
-    )
-    bench.add_argument("suites", nargs="*", metavar="SUITE", help="suite names (default: all)")
-    bench.add_argument(
-        "--dir",
-        type=Path,
-        help="the benchmarks directory (default: ./benchmarks, else the one "
-        "next to the aiopar package)",
-    )
-    bench.set_defaults(run=run_bench)
+    for add in (_add_info, _add_demo, _add_bench):
+        add(commands)
     return parser
 
 
@@ -163,7 +124,7 @@ def _backend_list(text: str) -> list[str]:
 
 
 def _writable_path(text: str) -> Path:
-    """A path we can write to, checked before the demo spends minutes running."""
+    """A path we can write to, checked before the demo spends its time running."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
@@ -178,183 +139,172 @@ def _writable_path(text: str) -> Path:
     return path
 
 
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        # a file or pipe: keep table rows and sentences whole
+        console.width = max(console.width, 110)
+        console.soft_wrap = True
+    return console
+
+
 # -- info --------------------------------------------------------------------
+
+
+def _add_info(commands: Any) -> None:
+    info = commands.add_parser("info", help="show threads, backends and BLAS libraries")
+    info.set_defaults(run=run_info)
 
 
 def run_info(args: argparse.Namespace) -> int:
     import numpy  # noqa: F401 - loads BLAS, so the report names it
 
-    parallel_info: Callable[[], str] | None = getattr(aiopar, "parallel_info", None)
-    print(parallel_info() if parallel_info is not None else _basic_info())
+    print(aiopar.parallel_info())
     return 0
-
-
-def _basic_info() -> str:
-    """What we can say without :func:`aiopar.parallel_info`."""
-    import numpy  # noqa: F401 - loads BLAS so threadpoolctl can see it
-    import threadpoolctl
-
-    from . import _config
-
-    lines = [
-        f"aiopar {aiopar.__version__}",
-        f"cores: {_config.cores()}",
-        f"interop threads: {aiopar.get_num_interop_threads()}",
-        f"backends: {', '.join(aiopar.available_backends())}",
-    ]
-    for lib in threadpoolctl.threadpool_info():
-        lines.append(
-            f"{lib['user_api']}: {lib['internal_api']} {lib.get('version') or ''}, "
-            f"{lib['num_threads']} threads ({lib['filepath']})"
-        )
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        lines.append(f"{var}={os.environ.get(var, '(unset)')}")
-    return "\n".join(lines)
 
 
 # -- demo --------------------------------------------------------------------
 
-#: the tutorial's sizes exactly (T, B, C = 50, 50, 1024; 4 models): about a
-#: minute on two cores; --quick, or smaller --input-size/--hidden-size, is faster
+#: (seq_len, batch, input_size, hidden_size, models) of each size: the default
+#: is the tutorial's model at a quarter of its width (1/16 of its FLOPs)
 DEMO_SIZES = {
-    "seq_len": 50,
-    "batch": 50,
-    "input_size": 1024,
-    "hidden_size": 1024,
-    "models": 4,
-    "repeats": 2,
+    "default": (50, 50, 256, 256, 4),
+    "full": (50, 50, 1024, 1024, 4),  # the tutorial's sizes exactly
+    "quick": (10, 4, 8, 16, 2),  # a smoke test: its times mean little
 }
-QUICK_SIZES = {
-    "seq_len": 10,
-    "batch": 4,
-    "input_size": 8,
-    "hidden_size": 16,
-    "models": 2,
-    "repeats": 1,
-}
-
-#: the tutorial's three variants: (label, fork_models, fork_directions)
-VARIANTS = (
-    ("sequential", False, False),
-    ("directions forked", False, True),
-    ("models forked", True, True),
-)
+#: seconds of timed rounds to aim for, after the warm-up run of every row;
+#: the number of rounds is what fits, within ROUNDS (--quick: QUICK_ROUNDS)
+ROUND_SECONDS = {"default": 15.0, "full": 40.0}
+ROUNDS = (3, 10)
+QUICK_ROUNDS, QUICK_PAUSE = 2, 0.01
+#: what the header promises: the rounds' budget plus the warm-up (one round),
+#: measured on 2 cores
+DURATION = {"default": "about 20 s", "full": "about a minute on 2 cores"}
 
 
-@dataclass
-class _Row:
-    variant: str
-    backend: str
-    mode: str
-    seconds: float
-    matches: bool
+def _add_demo(commands: Any) -> None:
+    demo = commands.add_parser(
+        "demo",
+        help=f"run the tutorial's LSTM ensemble: sequential vs forked ({DURATION['default']})",
+        description="Run the LSTM ensemble of the TorchScript parallelism tutorial "
+        "sequentially, with its directions forked and with its models forked, in rounds, "
+        "and show each variant's speed-up over the sequential run with its spread, the "
+        f"speed-up of forking alone (1 BLAS thread each), and a verdict. Takes "
+        f"{DURATION['default']}; --full runs the tutorial's sizes ({DURATION['full']}).",
+    )
+    demo.add_argument(
+        "--backend",
+        type=_backend_list,
+        default=["thread"],
+        metavar="NAMES",
+        help="comma-separated backends to fork on (default: thread; available: "
+        f"{', '.join(aiopar.available_backends())})",
+    )
+    size = demo.add_mutually_exclusive_group()
+    size.add_argument(
+        "--full", action="store_true", help=f"the tutorial's sizes (C = 1024): {DURATION['full']}"
+    )
+    size.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke test")
+    sizes = DEMO_SIZES["default"]
+    for (flag, what), default in zip(
+        (
+            ("--seq-len", "time steps"),
+            ("--batch", "batch size"),
+            ("--input-size", "input features"),
+            ("--hidden-size", "hidden units per direction"),
+            ("--models", "models in the ensemble"),
+        ),
+        sizes,
+        strict=True,
+    ):
+        demo.add_argument(flag, type=_positive_int, metavar="N", help=f"{what} (default {default})")
+    demo.add_argument(
+        "--rounds",
+        type=_positive_int,
+        metavar="N",
+        help=f"timed rounds of every row (default: as many as fit in about "
+        f"{ROUND_SECONDS['default']:.0f} s, {ROUNDS[0]} to {ROUNDS[1]})",
+    )
+    demo.add_argument(
+        "--trace",
+        type=_writable_path,
+        metavar="PATH",
+        help="write a Chrome trace (Trace Event JSON) of a models-forked run",
+    )
+    demo.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     import numpy as np
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from .nn import LSTMEnsemble
+    from .nn import _measure as m
 
-    defaults = QUICK_SIZES if args.quick else DEMO_SIZES
-    size = {key: getattr(args, key) or default for key, default in defaults.items()}
-    seq_len, batch, input_size, hidden = (
-        size["seq_len"],
-        size["batch"],
-        size["input_size"],
-        size["hidden_size"],
+    kind = "quick" if args.quick else "full" if args.full else "default"
+    given = (args.seq_len, args.batch, args.input_size, args.hidden_size, args.models)
+    seq_len, batch, input_size, hidden, models = (
+        g or d for g, d in zip(given, DEMO_SIZES[kind], strict=True)
     )
-    models, repeats, backends = size["models"], size["repeats"], args.backend
+    backends: list[str] = args.backend
+    cores = m.available_cores()
+    pause = QUICK_PAUSE if args.quick else m.spin_pause()
+    flops = m.ensemble_flops(models, seq_len, batch, input_size, hidden)
+
     out = _console()
     out.print(
-        f"LSTM ensemble: {models} bidirectional LSTMs, input ({seq_len}, {batch}, "
-        f"{input_size}), hidden {hidden}; best of {repeats}"
+        f"[bold]aiopar demo[/]: the LSTM ensemble of the TorchScript parallelism tutorial, in "
+        f"numpy: {models} bidirectional LSTMs, input (T, B, C) = ({seq_len}, {batch}, "
+        f"{input_size}), hidden {hidden}; {_flop_text(flops)} a run; "
+        f"forks on {', '.join(backends)}; {cores} cores."
     )
-    out.print(
-        "sync: ens(x) in this thread; await: await aiopar.fork(ens, x) in an asyncio loop",
-        style="dim",
-    )
+    out.print(_demo_plan(kind, args.rounds, any(given)))
 
     ens = LSTMEnsemble(models, input_size, hidden, seed=0)
     x = np.random.default_rng(0).random((seq_len, batch, input_size), dtype=np.float32)
-    # per model and direction, every step: x @ W_ih.T and h @ W_hh.T, 4 gates
-    flops = models * 2 * seq_len * 2 * batch * 4 * hidden * (input_size + hidden)
-
-    # Sequential code forks nothing, so called in this thread it needs no
-    # backend; awaited, the whole ensemble is one task on each backend.
-    runs = [("sequential", "-", "sync")] + [
-        (variant, backend, mode)
-        for backend in backends
-        for variant, _, _ in VARIANTS
-        for mode in ("sync", "await")
-        if (variant, mode) != ("sequential", "sync")
-    ]
-    with (
-        Progress(
-            TextColumn("{task.description:<40}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        ) as progress,
-        asyncio.Runner() as loop,
-    ):
-        bar = progress.add_task("GEMM peak", total=len(runs) * (repeats + 1) + 2)
-        peak_n, peak_seconds = (512, 0.1) if args.quick else (2048, 1.0)
-        peak = _gemm_peak(peak_n, peak_seconds)
-        progress.advance(bar)
-
-        def timed(variant: str, backend: str, mode: str) -> tuple[Any, float]:
-            """One run: its output and seconds, measured where the call happens."""
-            progress.update(bar, description=f"{variant} · {backend} · {mode}")
-            # The BLAS threads of the run before spin for up to about 0.2 s
-            # after their last call, and would slow this one down.
-            time.sleep(0.05 if args.quick else 0.3)
-            _, fork_models, fork_directions = next(v for v in VARIANTS if v[0] == variant)
-            ens.fork_models, ens.fork_directions = fork_models, fork_directions
-            with aiopar.use_backend(backend if backend != "-" else "inline"):
-                if mode == "sync":
-                    start = time.perf_counter()
-                    result = ens(x)
-                    seconds = time.perf_counter() - start
-                else:
-                    # the Runner's own context predates use_backend: pass ours
-                    context = contextvars.copy_context()
-                    result, seconds = loop.run(_timed_await(ens, x), context=context)
-            progress.advance(bar)
-            return result, seconds
-
-        # One warm-up run each (threads and workers started, weights packed),
-        # then rounds over all rows in turn, so drift on a shared machine
-        # hits every row alike; the best round of each row counts.
-        outputs = [timed(*run)[0] for run in runs]
-        best = [float("inf")] * len(runs)
-        for _ in range(repeats):
-            for i, run in enumerate(runs):
-                best[i] = min(best[i], timed(*run)[1])
+    prof = None
+    with asyncio.Runner() as loop, _progress() as progress:
+        rows = _demo_rows(ens, x, backends, loop)
+        bar = progress.add_task("GEMM peak", total=None)
+        peak = m.gemm_peak()
+        # The warm-up starts threads and workers, gives every row's output
+        # for the check, and tells how long a round may take.
+        progress.update(bar, description="warm-up: one run of each row")
+        start = time.perf_counter()
+        outputs = []
+        for row in rows:
+            time.sleep(pause)
+            outputs.append(row.call()[0])
+        rounds = _run_rounds(
+            rows,
+            pause,
+            progress,
+            bar,
+            rounds=args.rounds or (QUICK_ROUNDS if args.quick else None),
+            seconds=ROUND_SECONDS.get(kind, 0.0),
+            warm_up=time.perf_counter() - start,
+        )
         progress.update(bar, description="GEMM peak, again")
-        peak = max(peak, _gemm_peak(peak_n, peak_seconds))  # the machine may have calmed down
-        progress.advance(bar)
-        rows = [
-            _Row(*run, seconds, bool(np.allclose(out, outputs[0], rtol=1e-4, atol=1e-5)))
-            for run, seconds, out in zip(runs, best, outputs, strict=True)
-        ]
-
-        prof = None
+        peak = max(peak, m.gemm_peak())  # the machine may have calmed down
         if args.trace is not None:
-            progress.update(bar, description="trace of models forked")
-            ens.fork_models = ens.fork_directions = True
-            with aiopar.use_backend(backends[0]), profiler.profile() as prof:
-                ens(x)
+            progress.update(bar, description="a traced models-forked run")
+            with profiler.profile() as prof:
+                m.ensemble_run(ens, x, "models forked", backend=backends[0])()
 
-    out.print(_results_table(rows, flops, peak))
+    matches = [bool(np.allclose(o, outputs[0], rtol=1e-4, atol=1e-5)) for o in outputs]
+    out.print(_demo_table(rows, matches, rounds, flops, peak))
     status = 0
-    if all(row.matches for row in rows):
-        out.print("Every variant's output matches the sequential run.")
+    if all(matches):
+        out.print("Every row's output matches the sequential run.")
     else:
         out.print("[bold red]Outputs differ from the sequential run (marked ✗).[/]")
         status = 1
+    sequential, single, interop = rows[0], rows[-2], rows[-1]
+    forked = {row.name: row.speedup() for row in rows if row.anchor is sequential}
+    out.print(m.verdict(forked), style="bold")
+    blas = m.Spread.paired(single.times, sequential.times)
+    out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models))
     if prof is not None:
         try:
             prof.export_chrome_trace(args.trace)
@@ -364,76 +314,160 @@ def run_demo(args: argparse.Namespace) -> int:
             ) from None
         out.print(prof.rich_table())
         out.print(
-            f"Trace of the models-forked run on {backends[0]}: {args.trace} "
+            f"Trace of a models-forked run on {backends[0]}: {args.trace} "
             f"({len(prof.records)} tasks); open it in https://ui.perfetto.dev or chrome://tracing",
             soft_wrap=True,
         )
     return status
 
 
-def _console() -> Any:
-    from rich.console import Console
+def _run_rounds(
+    rows: list[Any],
+    pause: float,
+    progress: Any,
+    bar: Any,
+    *,
+    rounds: int | None,
+    seconds: float,
+    warm_up: float,
+) -> int:
+    """Time rounds of `rows` and return how many ran: `rounds` if given, else as
+    many as fit in `seconds` (within ROUNDS), judged from the `warm_up` at first
+    and then from each round just timed, as the machine may be busy."""
+    from .nn._measure import timed_round
 
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = max(console.width, 110)  # a file or pipe: keep table rows whole
-    return console
-
-
-async def _timed_await(ens: Any, x: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = await aiopar.fork(ens, x)
-    return result, time.perf_counter() - start
-
-
-def _gemm_peak(n: int, seconds: float) -> float:
-    """FLOP/s of a float32 n x n matrix product with BLAS's default threads.
-
-    The best of as many products as fit in ``seconds`` (at least 5): on a
-    busy machine a multi-threaded product often waits for a core, and only
-    the fastest run shows what the hardware can do.
-    """
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    a = rng.random((n, n), dtype=np.float32)
-    b = rng.random((n, n), dtype=np.float32)
-    a @ b
-    best = float("inf")
     deadline = time.perf_counter() + seconds
-    runs = 0
-    while runs < 5 or time.perf_counter() < deadline:
+    planned = rounds or _rounds_left(0, warm_up, seconds)
+    done = 0
+    while done < planned:
+        progress.update(
+            bar, description=f"round {done + 1} of {planned}", total=planned * len(rows)
+        )
         start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-        runs += 1
-    return 2 * n**3 / best
+        for _ in timed_round(rows, pause):
+            progress.advance(bar)
+        done += 1
+        if rounds is None:
+            took, left = time.perf_counter() - start, deadline - time.perf_counter()
+            planned = _rounds_left(done, took, left)
+    return done
 
 
-def _results_table(rows: list[_Row], flops: float, peak: float) -> Any:
+def _demo_rows(ens: Any, x: Any, backends: list[str], loop: asyncio.Runner) -> list[Any]:
+    """The rows: sequential (the anchor), the forked variants on each backend,
+    then the inter-op pair, sequential (its anchor) and models forked, at 1
+    BLAS thread each, where only the forks can use more than one core."""
+    from .nn._measure import Row, ensemble_run
+
+    sequential = Row("sequential", ensemble_run(ens, x, "sequential"))
+    rows = [sequential]
+    for backend in backends:
+        on = f" on {backend}" if len(backends) > 1 else ""
+        for variant, runner, how in (
+            ("directions forked", None, ""),
+            ("models forked", None, ""),
+            ("models forked", loop, " (awaited)"),
+        ):
+            run = ensemble_run(ens, x, variant, backend=backend, runner=runner)
+            rows.append(Row(variant + on + how, run, anchor=sequential))
+    single = Row("sequential, 1 BLAS thread", ensemble_run(ens, x, "sequential"), blas_threads=1)
+    run = ensemble_run(ens, x, "models forked")
+    rows += [single, Row("models forked, 1 BLAS thread", run, anchor=single, blas_threads=1)]
+    return rows
+
+
+def _progress() -> Any:
+    """A progress bar on stderr that leaves no trace once done (nothing when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description:<30}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+def _rounds_left(done: int, round_seconds: float, seconds_left: float) -> int:
+    """How many rounds to run in all, `done` of them run, if one takes `round_seconds`
+    and the budget has `seconds_left`: as many as fit, within ROUNDS."""
+    low, high = ROUNDS
+    fit = done + int(max(seconds_left, 0.0) / max(round_seconds, 1e-9))
+    return max(done, low, min(high, fit))
+
+
+def _flop_text(flops: float) -> str:
+    return f"{flops / 1e9:.1f} GFLOP" if flops >= 1e8 else f"{flops / 1e6:.2f} MFLOP"
+
+
+def _demo_plan(kind: str, rounds: int | None, resized: bool) -> str:
+    """What the demo is about to do, and how long it takes."""
+    if kind == "quick":
+        return (
+            f"--quick: tiny sizes and {rounds or QUICK_ROUNDS} rounds, "
+            f"a smoke test whose times mean little."
+        )
+    if rounds:
+        what = f"{rounds} rounds"
+    else:
+        low, high = ROUNDS
+        what = f"rounds ({low} to {high}, as many as fit in about {ROUND_SECONDS[kind]:.0f} s)"
+    plan = f"one warm-up run of each row, then {what} of every row in turn"
+    if rounds or resized:
+        return f"Plan: {plan}; the progress bar shows the time left."
+    if kind == "full":
+        return f"The tutorial's sizes take {DURATION[kind]}: {plan}."
+    return f"Takes {DURATION[kind]}: {plan}. --full runs the tutorial's sizes ({DURATION['full']})."
+
+
+def _demo_table(
+    rows: list[Any], matches: list[bool], rounds: int, flops: float, peak: float
+) -> Any:
+    from rich import box
     from rich.table import Table
 
-    baseline = rows[0].seconds
     table = Table(
-        title=f"GEMM peak on this machine: {peak / 1e9:.1f} GFLOP/s (float32)",
-        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption=f"speed-up per round: the anchor's time / the row's (above 1x: faster); "
+        f"its median and range over {rounds} rounds. float32 GEMM peak: "
+        f"{peak / 1e9:.0f} GFLOP/s.",
+        caption_justify="left",
     )
-    table.add_column("variant")
-    table.add_column("backend")
-    table.add_column("mode")
-    table.add_column("time", justify="right")
-    table.add_column("speedup", justify="right")
-    table.add_column("of GEMM peak", justify="right")
-    for row in rows:
-        speedup = baseline / row.seconds
-        style = "green" if speedup > 1.05 else "red" if speedup < 0.95 else ""
+    table.add_column("row", no_wrap=True)
+    table.add_column("best", justify="right")
+    table.add_column("speed-up", justify="right")
+    table.add_column("range", justify="right")
+    table.add_column("of peak", justify="right")
+    for row, ok in zip(rows, matches, strict=True):
+        if row.anchor is None and row is not rows[0]:
+            table.add_row("[dim italic]inter-op alone, on thread:[/]")
+        spread = row.speedup()
+        if spread is None:
+            speedup, spread_text = "[dim]anchor[/]", ""
+        else:
+            style = {"faster": "green", "slower": "red", "level": ""}[spread.outcome]
+            speedup = f"[{style}]{spread}[/]" if style else str(spread)
+            spread_text = spread.range
+        best = min(row.times)
         table.add_row(
-            row.variant + ("" if row.matches else " ✗"),
-            row.backend,
-            row.mode,
-            f"{row.seconds * 1e3:.2f} ms",
-            f"[{style}]{speedup:.2f}x[/]" if style else f"{speedup:.2f}x",
-            f"{flops / row.seconds / peak:.1%}",
+            row.name + ("" if ok else " ✗"),
+            f"{best * 1e3:.1f} ms" if best < 1 else f"{best:.2f} s",
+            speedup,
+            spread_text,
+            f"{flops / best / peak:.0%}",
         )
     return table
 
@@ -459,6 +493,23 @@ def _benchmarks_dir(given: Path | None) -> Path:
         "aiopar bench: no benchmarks/ directory here or next to the aiopar package; "
         "run from a source checkout or pass --dir"
     )
+
+
+def _add_bench(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark suites in benchmarks/",
+        description="Run benchmark suites (each a script in benchmarks/) one after another "
+        "with this Python, showing their tables. Arguments after '--' go to every suite.",
+    )
+    bench.add_argument("suites", nargs="*", metavar="SUITE", help="suite names (default: all)")
+    bench.add_argument(
+        "--dir",
+        type=Path,
+        help="the benchmarks directory (default: ./benchmarks, else the one "
+        "next to the aiopar package)",
+    )
+    bench.set_defaults(run=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:

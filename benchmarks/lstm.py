@@ -3,21 +3,18 @@
     python benchmarks/lstm.py            # T, B, C = 50, 50, 1024, 4 models, 5 rounds
     python benchmarks/lstm.py --quick    # small sizes, a smoke test
 
-Every variant runs once per round, round-robin, and the best round counts, so
-a machine whose speed drifts (shared cores, turbo) treats all variants alike;
-the last column pairs each variant with aiopar's sequential run of the same
-round (the median of those ratios), which cancels most of that drift. Each
-timed run starts after a pause of 0.3 s: the BLAS and OpenMP pools of the
-previous variant spin for up to about 0.2 s after their last call (OpenBLAS
-0.1 s, Intel's OpenMP 0.2 s), and would otherwise slow whichever variant
-came next.
-The float32 GEMM peak is measured in every round with a large numpy matmul
-and the best is used for "of peak". TorchScript's variants (the tutorial's
-modules, scripted, run under ``torch.no_grad()``) are included when torch is
-importable; aiopar's run on the "thread" backend and on "openmp" when it is
-available. Forked aiopar variants use the library's default intra-op thread
-budget; two more rows pin every task to one BLAS thread with
-``aiopar.set_num_threads(1)`` for comparison.
+It measures the way `aiopar demo` does, with the same helper
+(``aiopar/nn/_measure.py``): every row runs once per round, in turn, after a
+pause for the BLAS/OpenMP threads of the row before to stop spinning; each
+row's speed-up is its anchor's time divided by its own in the same round
+(above 1x: faster), shown as the median and range over the rounds. The
+anchors are aiopar's sequential run, TorchScript's, and aiopar's sequential
+run at 1 BLAS thread for the rows that isolate inter-op parallelism (every
+task pinned to 1 BLAS thread with ``aiopar.set_num_threads(1)``). The float32
+GEMM peak is measured in every round and the best is used for "of peak".
+TorchScript's variants (the tutorial's modules, scripted, run under
+``torch.no_grad()``) are included when torch is importable; aiopar's run on
+the "thread" backend and on "openmp" when it is available.
 """
 
 from __future__ import annotations
@@ -28,8 +25,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 from rich.console import Console
@@ -38,45 +33,22 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
 from aiopar.nn import LSTMEnsemble
+from aiopar.nn._measure import (
+    VARIANTS,
+    Row,
+    Spread,
+    available_cores,
+    ensemble_flops,
+    ensemble_run,
+    explain,
+    gemm_peak,
+    spin_pause,
+    timed_round,
+    verdict,
+)
 
-# Seconds to wait before each timed run, for the BLAS threads of the run
-# before to stop spinning (--quick: a token pause, the runs are tiny).
-SPIN_PAUSE, QUICK_SPIN_PAUSE = 0.3, 0.05
-
-# The tutorial's three variants: (fork_models, fork_directions).
-VARIANTS = {
-    "sequential": (False, False),
-    "directions forked": (False, True),
-    "models forked": (True, True),
-}
-
-
-@dataclass
-class Row:
-    name: str
-    run: Callable[[], object]
-    times: list[float] = field(default_factory=list)
-    torch: bool = False
-
-
-def ensemble_flops(n_models: int, steps: int, batch: int, size: int) -> float:
-    """Multiply-adds x 2 of the ensemble: input and recurrent products of 2 LSTMs per model."""
-    per_lstm = steps * 2 * batch * 4 * size * (size + size)
-    return float(n_models * 2 * per_lstm)
-
-
-def gemm_peak(n: int) -> float:
-    """float32 GEMM GFLOP/s of numpy's BLAS on an n x n product, best of 3."""
-    rng = np.random.default_rng(0)
-    a = rng.random((n, n), dtype=np.float32)
-    b = rng.random((n, n), dtype=np.float32)
-    out = np.empty_like(a)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        np.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+# --quick: a token pause, the runs are tiny.
+QUICK_SPIN_PAUSE = 0.01
 
 
 def effective_cores(n: int = 768, reps: int = 12) -> float:
@@ -171,7 +143,7 @@ def torch_rows(n_models: int, size: int, x: np.ndarray, ens: LSTMEnsemble) -> li
             with torch.no_grad():
                 return scripted(x_t).numpy()
 
-        rows.append(Row(f"TorchScript {label}", run, torch=True))
+        rows.append(Row(f"TorchScript {label}", run, anchor=rows[0] if rows else None))
     return rows
 
 
@@ -183,101 +155,103 @@ def main() -> None:
     args = parser.parse_args()
     steps, batch, size, n_models = (10, 8, 64, 2) if args.quick else (50, 50, 1024, 4)
     rounds = args.rounds or (2 if args.quick else 5)
-    spin_pause = QUICK_SPIN_PAUSE if args.quick else SPIN_PAUSE
     peak_n = 512 if args.quick else 4096
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     x = np.random.default_rng(0).random((steps, batch, size), dtype=np.float32)
     ens = LSTMEnsemble(n_models, size, size, seed=0)
-    rows = [] if args.no_torch else torch_rows(n_models, size, x, ens)
+    torch_variants = [] if args.no_torch else torch_rows(n_models, size, x, ens)
+    # torch loads an OpenMP runtime, whose threads spin longer: measure the pause after it
+    spin = QUICK_SPIN_PAUSE if args.quick else spin_pause()
 
-    def aiopar_run(
-        backend: str, fork_models: bool, fork_directions: bool, threads: int | None = None
-    ) -> Callable[[], object]:
-        def run() -> np.ndarray:
-            ens.fork_models, ens.fork_directions = fork_models, fork_directions
-            if threads is not None:
-                aiopar.set_num_threads(threads)
-            try:
-                with aiopar.use_backend(backend):
-                    return ens(x)
-            finally:
-                if threads is not None:
-                    aiopar.set_num_threads(None)
-
-        return run
-
-    rows.append(Row("aiopar sequential", aiopar_run("thread", False, False)))
+    sequential = Row("aiopar sequential", ensemble_run(ens, x, "sequential"))
+    rows = [*torch_variants, sequential]
     backends = [b for b in ("thread", "openmp") if b in aiopar.available_backends()]
+    forked = list(VARIANTS)[1:]
     for backend in backends:
-        for label, flags in list(VARIANTS.items())[1:]:
-            rows.append(Row(f"aiopar {label}, {backend}", aiopar_run(backend, *flags)))
-
-    # For comparison with the automatic budget: every task limited to 1 BLAS thread.
-    for label, flags in list(VARIANTS.items())[1:]:
-        rows.append(Row(f"aiopar {label}, thread, 1 BLAS thread", aiopar_run("thread", *flags, 1)))
+        for label in forked:
+            run = ensemble_run(ens, x, label, backend=backend)
+            rows.append(Row(f"aiopar {label} on {backend}", run, anchor=sequential))
+    # Inter-op alone: with every task at 1 BLAS thread, only the forks use more cores.
+    single = Row(
+        "aiopar sequential, 1 BLAS thread", ensemble_run(ens, x, "sequential"), blas_threads=1
+    )
+    rows.append(single)
+    for label in forked:
+        run = ensemble_run(ens, x, label)
+        rows.append(Row(f"aiopar {label}, 1 BLAS thread", run, anchor=single, blas_threads=1))
 
     # Warm up (scripting, allocator, packed weights) and check every variant agrees.
-    outputs = {row.name: row.run() for row in rows}
-    reference = outputs[next(r.name for r in rows if not r.torch)]
-    worst = max(float(np.abs(out - reference).max()) for out in outputs.values())
-    for row in rows:
-        if row.torch:
-            row.run()
+    outputs = [row.call()[0] for row in rows]
+    reference = outputs[len(torch_variants)]
+    worst = max(float(np.abs(out - reference).max()) for out in outputs)
+    for row in torch_variants:  # TorchScript's profiling executor optimises on the second run
+        row.call()
 
     peaks, cores = [], []
     for r in range(rounds):
         peaks.append(gemm_peak(peak_n))
         cores.append(effective_cores())
-        for row in rows:
-            time.sleep(spin_pause)
-            start = time.perf_counter()
-            row.run()
-            row.times.append(time.perf_counter() - start)
+        for _ in timed_round(rows, spin):
+            pass
         console.print(f"round {r + 1}/{rounds} done", style="dim")
 
     peak = max(peaks)
-    flops = ensemble_flops(n_models, steps, batch, size)
-    torch_best = min((min(r.times) for r in rows if r.torch), default=None)
-    sequential_times = next(r for r in rows if r.name == "aiopar sequential").times
-    sequential = min(sequential_times)
+    flops = ensemble_flops(n_models, steps, batch, size, size)
+    torch_sequential = torch_variants[0] if torch_variants else None
 
     table = Table(
         title=(
             f"LSTM ensemble: {n_models} models, T, B, C = {steps}, {batch}, {size}; "
-            f"{flops / 1e9:.1f} GFLOP; best of {rounds}"
-        )
+            f"{flops / 1e9:.1f} GFLOP; {rounds} rounds"
+        ),
+        caption="speed-up: the anchor's time / the row's in the same round (above 1x: "
+        "faster), median and range over the rounds; each section's first row is its anchor",
     )
     table.add_column("variant")
     table.add_column("best s", justify="right")
     table.add_column("median s", justify="right")
     table.add_column("GFLOP/s", justify="right")
     table.add_column("of peak", justify="right")
-    table.add_column("/ TorchScript best", justify="right")
-    table.add_column("/ aiopar sequential", justify="right")
-    table.add_column("/ sequential, paired", justify="right")
+    table.add_column("speed-up", justify="right")
+    table.add_column("range", justify="right")
+    if torch_sequential is not None:
+        table.add_column("vs TorchScript sequential", justify="right")
     for row in rows:
+        if row.anchor is None and row is not rows[0]:
+            table.add_section()
         best = min(row.times)
-        paired = statistics.median(t / s for t, s in zip(row.times, sequential_times, strict=True))
-        table.add_row(
+        speedup = row.speedup()
+        cells = [
             row.name,
             f"{best:.3f}",
             f"{statistics.median(row.times):.3f}",
             f"{flops / best / 1e9:.0f}",
-            f"{flops / best / 1e9 / peak:.0%}",
-            "-" if torch_best is None else f"{best / torch_best:.2f}x",
-            "-" if row.torch else f"{best / sequential:.2f}x",
-            f"{paired:.2f}x",
-        )
+            f"{flops / best / peak:.0%}",
+            "anchor" if speedup is None else str(speedup),
+            "" if speedup is None else speedup.range,
+        ]
+        if torch_sequential is not None:
+            cells.append(str(Spread.paired(torch_sequential.times, row.times)))
+        table.add_row(*cells)
     console.print(table)
+    aiopar_forked = {r.name: r.speedup() for r in rows if r.anchor is sequential}
+    console.print(verdict(aiopar_forked, anchor="aiopar sequential"))
+    if torch_variants:
+        torch_forked = {r.name: r.speedup() for r in torch_variants[1:]}
+        console.print(verdict(torch_forked, anchor="TorchScript sequential"))
+    interop = next(r for r in rows if r.anchor is single and "models" in r.name)
+    blas = Spread.paired(single.times, sequential.times)
+    console.print(explain(interop.speedup(), blas, available_cores(), tasks=2 * n_models))
 
-    blas = ", ".join(
+    blas_libraries = ", ".join(
         f"{i['internal_api']} {i['version']} ({i['num_threads']} threads)"
         for i in threadpool_info()
     )
     console.print(
-        f"float32 GEMM peak ({peak_n}^3 matmul, best of {rounds} rounds): {peak:.0f} GFLOP/s; "
-        f"{flops / 1e9:.1f} GFLOP need at least {flops / 1e9 / peak:.2f} s at peak"
+        f"float32 GEMM peak ({peak_n}^3 matmul, best of {rounds} rounds): "
+        f"{peak / 1e9:.0f} GFLOP/s; {flops / 1e9:.1f} GFLOP need at least "
+        f"{flops / peak:.2f} s at peak"
     )
     console.print(
         "cores available to this run (two 1-thread GEMM loops vs one), per round: "
@@ -286,9 +260,9 @@ def main() -> None:
     console.print(f"max |difference| between variants: {worst:.2e}")
     console.print(
         f"{platform.processor() or platform.machine()}, {aiopar.get_num_interop_threads()} "
-        f"interop workers, numpy {np.__version__}, BLAS: {blas}"
+        f"interop workers, numpy {np.__version__}, BLAS: {blas_libraries}"
     )
-    if any(r.torch for r in rows):
+    if torch_variants:
         import torch
 
         console.print(

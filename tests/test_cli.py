@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,14 @@ import textwrap
 import pytest
 
 import aiopar
-from aiopar.cli import main
+from aiopar.cli import (
+    DEMO_SIZES,
+    ROUND_SECONDS,
+    ROUNDS,
+    _demo_plan,
+    _rounds_left,
+    main,
+)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -25,27 +33,58 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 def test_demo_quick_in_a_subprocess():
     done = run_cli("demo", "--quick")
     assert done.returncode == 0, done.stderr
-    for text in ("sequential", "directions forked", "models forked", "await", "speedup"):
-        assert text in done.stdout
-    assert "GEMM peak" in done.stdout
-    assert "matches the sequential run" in done.stdout
+    out = done.stdout
+    for text in ("directions forked", "models forked", "models forked (awaited)", "speed-up"):
+        assert text in out
+    # the inter-op pair: sequential and forked at 1 BLAS thread each
+    assert "sequential, 1 BLAS thread" in out and "models forked, 1 BLAS thread" in out
+    assert "GEMM peak" in out
+    assert "matches the sequential run" in out
+    verdicts = [line for line in out.splitlines() if line.startswith("Verdict: ")]
+    assert len(verdicts) == 1
+    assert any(line.startswith("Why: ") for line in out.splitlines())
     assert "Traceback" not in done.stderr
 
 
+def test_demo_says_how_long_it_takes_before_it_starts(capsys):
+    assert main(["demo", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "--quick" in lines[1] and "2 rounds" in lines[1]
+    assert "about 20 s" in _demo_plan("default", None, resized=False)
+    assert "--full" in _demo_plan("default", None, resized=False)
+    assert "about a minute" in _demo_plan("full", None, resized=False)
+    assert "5 rounds" in _demo_plan("default", 5, resized=False)
+    assert "time left" in _demo_plan("default", None, resized=True)  # no promise it can't keep
+
+
+def test_full_runs_the_tutorials_sizes_and_the_default_fits_a_budget():
+    assert DEMO_SIZES["full"] == (50, 50, 1024, 1024, 4)  # T, B, C, hidden, models
+    budget = ROUND_SECONDS["default"]
+    assert _rounds_left(0, 1.5, budget) == int(budget / 1.5)
+    assert _rounds_left(0, 0.001, budget) == ROUNDS[1]
+    assert _rounds_left(0, 60.0, budget) == ROUNDS[0]  # a slow machine still gets a spread
+    # re-planned after each round: a busy machine stops at the budget, not before ROUNDS[0]
+    assert _rounds_left(4, 3.0, 2.0) == 4
+    assert _rounds_left(1, 3.0, -5.0) == ROUNDS[0]
+    assert _rounds_left(2, 1.0, 3.5) == 5
+
+
 def test_demo_quick_in_process(capsys):
-    assert main(["demo", "--quick", "--backend", "thread,inline", "--repeats", "2"]) == 0
+    assert main(["demo", "--quick", "--backend", "thread,inline", "--rounds", "3"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if "forked" in line]
-    assert sum("inline" in row for row in rows) == 4  # 2 variants x sync, await
-    assert sum("thread" in row for row in rows) == 4
-    assert "best of 2" in out
+    rows = [line for line in out.splitlines() if " forked" in line and "BLAS" not in line]
+    assert sum(" on inline" in row for row in rows if "Verdict" not in row) == 3
+    assert sum(" on thread" in row for row in rows if "Verdict" not in row) == 3
+    assert "over 3 rounds" in out
 
 
-@pytest.mark.parametrize("backend", aiopar.available_backends())
+# The built-in backends; a plugin's backend (one that starts a cluster, say)
+# would outlive this in-process run, and its own tests cover it.
+@pytest.mark.parametrize("backend", ["inline", "thread", "process", "openmp"])
 def test_demo_quick_on_every_backend(backend, capsys):
     assert main(["demo", "--quick", "--backend", backend]) == 0
     out = capsys.readouterr().out
-    assert sum(backend in line for line in out.splitlines() if "forked" in line) == 4
+    assert "forks on " + backend in out
     assert "matches the sequential run" in out
 
 
@@ -54,16 +93,23 @@ def test_demo_forks_every_row_on_the_chosen_backend(capsys):
 
     with profile() as prof:
         assert main(["demo", "--quick", "--backend", "inline"]) == 0
-    backends = {record.backend for record in prof.records}
-    assert backends == {"inline"}  # awaited rows too, not the default "thread"
-    # awaited: the whole ensemble is one forked task per run (warm-up + 1 repeat)
-    assert sum(r.name == "LSTMEnsemble" for r in prof.records) == 3 * 2
+    runs = 1 + 2  # warm-up + 2 rounds
+    by_backend: dict[str, int] = {}
+    for record in prof.records:
+        if record.name == "BidirectionalRecurrentLSTM":
+            by_backend[record.backend] = by_backend.get(record.backend, 0) + 1
+    # 2 models forked per run of "models forked", sync and awaited, on inline;
+    # the inter-op row forks on thread whatever --backend says
+    assert by_backend == {"inline": 2 * 2 * runs, "thread": 2 * runs}
+    awaited = [r for r in prof.records if r.name == "LSTMEnsemble"]
+    assert len(awaited) == runs and {r.backend for r in awaited} == {"inline"}
 
 
 def test_demo_sizes_are_options(capsys):
     argv = ["demo", "--quick", "--seq-len", "3", "--batch", "2", "--input-size", "5"]
     assert main([*argv, "--hidden-size", "7", "--models", "3"]) == 0
-    assert "3 bidirectional LSTMs, input (3, 2, 5), hidden 7" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 bidirectional LSTMs, input (T, B, C) = (3, 2, 5), hidden 7" in out
 
 
 def test_demo_trace_writes_a_chrome_trace(tmp_path, capsys):
@@ -91,6 +137,8 @@ def test_demo_trace_writes_a_chrome_trace(tmp_path, capsys):
         (["demo", "--backend", ","], "name at least one backend"),
         (["demo", "--trace", "/nonexistent-dir/x/trace.json"], "cannot write"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--full", "--quick"], "argument --quick: not allowed with argument --full"),
+        (["demo", "--rounds", "0"], "argument --rounds: must be a whole number >= 1"),
         (["frobnicate"], "invalid choice"),
         (["info", "--", "x"], "only 'aiopar bench' takes arguments after '--'"),
     ],
@@ -124,6 +172,25 @@ def test_info(capsys):
     out = capsys.readouterr().out
     for name in aiopar.available_backends():
         assert name in out
+
+
+def test_info_into_a_closed_pipe_stops_quietly():
+    """`aiopar info | head`: the reader is gone before we write (Python's docs on SIGPIPE)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "aiopar", "info"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "BrokenPipeError" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 1
 
 
 def test_version_and_help(capsys):

@@ -39,3 +39,7 @@ def test_lstm_benchmark_quick(torch: bool) -> None:
     assert "aiopar sequential" in out
     assert "GEMM peak" in out
     assert ("TorchScript sequential" in out) == torch
+    # the demo's measuring: speed-ups the same way round, the inter-op pair, a verdict
+    assert "speed-up" in out and "range" in out
+    assert "aiopar sequential, 1 BLAS thread" in out
+    assert "Verdict: " in out and "Why: " in out

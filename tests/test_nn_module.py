@@ -188,3 +188,74 @@ def test_subclass_must_call_super_init() -> None:
 def test_forward_must_be_defined() -> None:
     with pytest.raises(NotImplementedError, match="Module does not define forward"):
         Module()()
+
+
+def _load_error(module: Module, path) -> str:
+    before = {k: v.copy() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        module.load(path)
+    for k, v in module.state_dict().items():  # nothing was loaded
+        np.testing.assert_array_equal(v, before[k])
+    message = str(info.value)
+    assert "allow_pickle" not in message  # numpy's advice to unpickle is not passed on
+    assert "Module.load reads an .npz archive written by Module.save" in message
+    assert len(message.splitlines()) == 4
+    return message
+
+
+def test_load_a_pytorch_file_says_so_and_shows_how(tmp_path) -> None:
+    import zipfile
+
+    path = tmp_path / "model.pt"
+    with zipfile.ZipFile(path, "w") as archive:  # the layout torch.save writes
+        for name in ("model/data.pkl", "model/byteorder", "model/data/0", "model/version"):
+            archive.writestr(name, b"")
+    message = _load_error(Affine(), path)
+    assert message.startswith(f"cannot load {str(path)!r} into Affine: it is a PyTorch file")
+    assert f"state_dict = torch.load({str(path)!r}, map_location='cpu')" in message
+    assert "module.load_state_dict(state_dict)" in message
+    assert "data/0" not in message  # no listing of the archive's keys
+
+
+def test_the_two_lines_for_a_real_pytorch_file_work(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    source = LSTMEnsemble(2, 3, 4, seed=0)
+    path = tmp_path / "model.pt"
+    torch.save({k: torch.from_numpy(v.copy()) for k, v in source.state_dict().items()}, path)
+    module = LSTMEnsemble(2, 3, 4, seed=1)
+    message = _load_error(module, path)
+    exec("\n".join(line.strip() for line in message.splitlines()[2:]))  # the two lines
+    for key, value in source.state_dict().items():
+        np.testing.assert_array_equal(module.state_dict()[key], value)
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        (b"junk, not an array", "it is not a numpy file"),
+        (b"", "it is not a numpy file"),
+        (b"\x80\x02}q\x00.", "it is pickled data"),
+        (b"PK\x03\x04 truncated", "it is a damaged zip archive"),
+    ],
+)
+def test_load_a_file_of_another_kind_says_what_it_is(tmp_path, content, what) -> None:
+    path = tmp_path / "junk.npz"
+    path.write_bytes(content)
+    assert what in _load_error(Affine(), path)
+
+
+def test_load_npy_zip_and_object_arrays_say_what_they_are(tmp_path) -> None:
+    import zipfile
+
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    assert "a single .npy array" in _load_error(Affine(), tmp_path / "one.npy")
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as archive:
+        archive.writestr("readme.txt", "hello")
+    assert "other files than .npy arrays" in _load_error(Affine(), tmp_path / "other.zip")
+    np.savez(tmp_path / "objects.npz", weight=np.array([{}], dtype=object))
+    assert "object arrays" in _load_error(Affine(), tmp_path / "objects.npz")
+
+
+def test_load_a_missing_file() -> None:
+    with pytest.raises(FileNotFoundError):
+        Affine().load("no-such-file.npz")

@@ -13,6 +13,7 @@ guarantees those copies never go stale: weights change only by assignment or
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -36,6 +37,49 @@ def _to_float32(value: Any) -> np.ndarray:
     if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
         raise TypeError(f"expected a real numeric array, got dtype {array.dtype}")
     return np.array(array, dtype=np.float32, order="C", copy=True)
+
+
+def _read_npz(path: str | os.PathLike[str], into: str) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` archive at `path`, or a `ValueError` naming what it is instead."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    what = None
+    from_torch = False  # a file torch.save may have written
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile:
+            names = None
+        if names is None:
+            what = "a damaged zip archive"
+        elif any(name.rpartition("/")[2] == "data.pkl" for name in names):
+            what, from_torch = "a PyTorch file (written by torch.save)", True
+        elif not names or not all(name.endswith(".npy") for name in names):
+            what = "a zip archive of other files than .npy arrays"
+    elif head.startswith(b"\x93NUMPY"):
+        what = "a single .npy array (written by numpy.save), not named parameters"
+    elif head.startswith(b"\x80"):
+        what, from_torch = "pickled data (torch.save's legacy format, or pickle.dump)", True
+    else:
+        what = "not a numpy file"
+    if what is None:
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {key: data[key] for key in data.files}
+        except ValueError as exc:
+            if "allow_pickle" not in str(exc):
+                raise
+            # numpy would advise allow_pickle=True: unpickling an untrusted file runs its code
+            what = "an .npz archive holding object arrays, which only unpickling could read"
+    example = os.fspath(path) if from_torch else "model.pt"
+    raise ValueError(
+        f"cannot load {os.fspath(path)!r} into {into}: it is {what}.\n"
+        f"Module.load reads an .npz archive written by Module.save (or numpy.savez). "
+        f"Weights saved by PyTorch load through torch:\n"
+        f"    state_dict = torch.load({example!r}, map_location='cpu')\n"
+        f"    module.load_state_dict(state_dict)"
+    )
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
@@ -238,9 +282,13 @@ class Module:
             np.savez(f, **self.state_dict())
 
     def load(self, path: str | os.PathLike[str], strict: bool = True) -> Module:
-        """Load parameters from an ``.npz`` file written by `save` (or `np.savez`); returns self."""
-        with np.load(path, allow_pickle=False) as data:
-            self.load_state_dict({key: data[key] for key in data.files}, strict=strict)
+        """Load parameters from an ``.npz`` file written by `save` (or `np.savez`); returns self.
+
+        Any other file (a PyTorch checkpoint, a ``.npy`` array, pickled data)
+        raises a `ValueError` that says what the file is and how to load
+        weights from it, and changes nothing. Unpickling is never attempted.
+        """
+        self.load_state_dict(_read_npz(path, type(self).__name__), strict=strict)
         return self
 
     # -- display ------------------------------------------------------------
