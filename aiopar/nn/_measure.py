@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,6 +27,9 @@ from typing import Any
 import numpy as np
 
 import aiopar
+
+from .._budget import budget
+from .._budget import cores as available_cores
 
 __all__ = [
     "VARIANTS",
@@ -64,14 +66,6 @@ def spin_pause() -> float:
 
     openmp = any(lib["user_api"] == "openmp" for lib in threadpool_info())
     return _OPENMP_SPIN if openmp else _BLAS_SPIN
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def ensemble_flops(
@@ -144,15 +138,19 @@ class Row:
 
     def call(self) -> tuple[object, float]:
         """Run once: the result and the seconds the call took."""
-        if self.blas_threads is not None:
-            aiopar.set_num_threads(self.blas_threads)
+        if self.blas_threads is None:
+            start = time.perf_counter()
+            result = self.run()
+            return result, time.perf_counter() - start
+        # Put back whatever was in force, an OMP_NUM_THREADS count included.
+        explicit, source = budget.explicit, budget.explicit_from
+        aiopar.set_num_threads(self.blas_threads)
         try:
             start = time.perf_counter()
             result = self.run()
             return result, time.perf_counter() - start
         finally:
-            if self.blas_threads is not None:
-                aiopar.set_num_threads(None)
+            budget.set_explicit(explicit, source)
 
     def speedup(self) -> Spread | None:
         """This row's speed-ups over its anchor, round by round (None for an anchor)."""
