@@ -141,6 +141,32 @@ class _Outbox:
         self._drain(items)
 
 
+class _RpcFuture(aiopar.Future[Any]):
+    """The future of a call. Replies settle it on the event loop, which wakes
+    ``rpc_sync`` at once; a done-callback that would run on the loop runs in
+    the settler thread instead, since it may block."""
+
+    __slots__ = ("_agent",)
+
+    def __init__(self, agent: DaskRpcAgent) -> None:
+        super().__init__()
+        self._agent = agent
+
+    def add_done_callback(self, fn: Callable[[aiopar.Future[Any]], object]) -> None:
+        agent = self._agent
+
+        def off_the_loop(future: aiopar.Future[Any]) -> None:
+            if threading.get_ident() == agent._loop_thread:
+                agent._settler.call(fn, future)
+            else:
+                fn(future)
+
+        super().add_done_callback(off_the_loop)
+
+
+_SMALL = 64 * 1024  # replies up to this size are unpickled on the loop
+
+
 class DaskRpcAgent(RpcAgent):
     """The rpc agent of one :class:`Peer`."""
 
@@ -154,6 +180,7 @@ class DaskRpcAgent(RpcAgent):
         self._ids = itertools.count()
         self._settler = Settler("rpc")
         self._outbox: _Outbox | None = None
+        self._loop_thread = 0
         self._stopped: BaseException | None = None
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
         self.on_close: Callable[[], None] | None = None
@@ -208,7 +235,7 @@ class DaskRpcAgent(RpcAgent):
                 f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        future: aiopar.Future[Any] = aiopar.Future()
+        future = _RpcFuture(self)
         assert self._outbox is not None
         self._outbox.put((to.name, found[1], payload, future, _name(fn), timeout))
         return future
@@ -281,7 +308,10 @@ class DaskRpcAgent(RpcAgent):
                     future, what, timer = entry
                     if timer is not None:
                         timer.cancel()
-                    self._settler.call(_settle_reply, future, reply, what, link.name)
+                    if "r" in reply and sum(map(len, reply["r"].frames)) > _SMALL:
+                        self._settler.call(_settle_reply, future, reply, what, link.name)
+                    else:
+                        _settle_reply(future, reply, what, link.name)
         except Exception as exc:
             self._drop(link, exc)
 
@@ -364,6 +394,7 @@ class DaskRpcAgent(RpcAgent):
     def _attach(self) -> None:
         """On the loop, once the worker runs: the outbox of the calls made here."""
         self._outbox = _Outbox(asyncio.get_running_loop(), self._send)
+        self._loop_thread = threading.get_ident()
 
     def _stop(self, reason: BaseException) -> None:
         if self._stopped is not None:
