@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import itertools
 import logging
+import pickle
 import signal
 import threading
 import time
@@ -28,10 +29,10 @@ from typing import Any
 
 import distributed
 from distributed import Nanny, Scheduler, Security, SpecCluster
-from distributed.batched import BatchedSend
 from distributed.comm import CommClosedError, connect
 from distributed.core import clean_exception, error_message
-from distributed.protocol import Serialized, deserialize, serialize
+from distributed.protocol import Serialized
+from distributed.protocol import pickle as dask_pickle
 
 import aiopar
 from aiopar.backends import set_waiter
@@ -47,7 +48,6 @@ _logger = logging.getLogger("aiopar.rpc")
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
 _POLL = 0.05  # seconds between looks at the scheduler while waiting for peers
-_SERIALIZERS = ("pickle",)  # protocol 5: array buffers travel out of band
 
 
 class _Value:
@@ -106,10 +106,77 @@ class _Link:
     def __init__(self, name: str, address: str) -> None:
         self.name = name
         self.address = address
-        self.send = BatchedSend(interval=0)  # sends at once; batches what piles up meanwhile
+        self.send = _Sender()
         # call id -> (future, what was called, timer)
         self.pending: dict[int, tuple[aiopar.Future[Any], str, asyncio.TimerHandle | None]] = {}
         self.reader: asyncio.Task[None] | None = None  # connects, then reads the replies
+
+
+def _dumps(obj: Any) -> Serialized:
+    """``obj`` pickled (protocol 5, array buffers out of band) as a dask
+    message part that the comm passes through untouched.
+
+    Plain pickle first, which is what dask's pickler tries first too; its
+    cloudpickle fallback (lambdas, functions defined in ``__main__``) only
+    when that fails or refers to ``__main__``.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        data = b"__main__"
+    if b"__main__" in data:
+        buffers.clear()
+        data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
+    views = [memoryview(b) for b in buffers]
+    return Serialized({"writeable": [not v.readonly for v in views]}, [data, *views])
+
+
+def _loads(part: Serialized) -> Any:
+    data, *views = part.frames
+    buffers = [
+        memoryview(bytearray(v)) if w and v.readonly else v
+        for v, w in zip(map(memoryview, views), part.header["writeable"], strict=True)
+    ]
+    return pickle.loads(data, buffers=buffers)
+
+
+class _Sender:
+    """Messages to one comm: the first is written at once, those that come
+    while a write is under way go together in the next."""
+
+    __slots__ = ("_buffer", "_comm", "_task")
+
+    def __init__(self) -> None:
+        self._comm: Any = None
+        self._buffer: list[Any] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, comm: Any) -> None:
+        comm.allow_offload = False  # the parts are pickled already; sizing them costs more
+        self._comm = comm
+        if self._buffer:
+            self._task = asyncio.ensure_future(self._write())
+
+    def send(self, *msgs: Any) -> None:
+        self._buffer.extend(msgs)
+        if self._task is None and self._comm is not None:
+            self._task = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while self._buffer:
+                batch, self._buffer = self._buffer, []
+                await self._comm.write(batch, on_error="raise")
+        except Exception:
+            self._comm.abort()  # the reader sees it and fails what is pending
+        finally:
+            self._task = None
+
+    def abort(self) -> None:
+        self._buffer = []
+        if self._comm is not None:
+            self._comm.abort()
 
 
 class _Outbox:
@@ -227,9 +294,7 @@ class DaskRpcAgent(RpcAgent):
             found = self._lookup(to.name)
             assert found is not None
         try:
-            payload = Serialized(
-                *serialize((fn, args, kwargs), serializers=_SERIALIZERS, on_error="raise")
-            )
+            payload = _dumps((fn, args, kwargs))
         except Exception as exc:
             raise TypeError(
                 f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
@@ -357,7 +422,7 @@ class DaskRpcAgent(RpcAgent):
     async def _serve(self, comm: Any, caller: str) -> Any:
         """The handler of a caller's comm: run its calls, send their replies."""
         comm.deserialize = False  # each call is unpickled in its own thread
-        replies = BatchedSend(interval=0)
+        replies = _Sender()
         replies.start(comm)
         outbox = _Outbox(asyncio.get_running_loop(), lambda items: replies.send(*items))
         executor = self._worker.executors["default"]
@@ -376,8 +441,7 @@ class DaskRpcAgent(RpcAgent):
         call_id = call["i"]
         previous = set_waiter(Seceder(is_task=False))
         try:
-            payload = call["c"]
-            fn, args, kwargs = deserialize(payload.header, payload.frames)
+            fn, args, kwargs = _loads(call["c"])
             result = run_callee(fn, args, kwargs)
         except BaseException as exc:
             outbox.put(_error_reply(call_id, exc))
@@ -436,10 +500,7 @@ class DaskRpcAgent(RpcAgent):
 
 def _value_reply(call_id: int, value: Any) -> dict[str, Any]:
     try:
-        return {
-            "i": call_id,
-            "r": Serialized(*serialize(value, serializers=_SERIALIZERS, on_error="raise")),
-        }
+        return {"i": call_id, "r": _dumps(value)}
     except Exception as exc:
         error = TypeError(
             f"the result ({type(value).__name__}) cannot be sent back: {type(exc).__name__}: {exc}"
@@ -476,8 +537,7 @@ def _settle_reply(future: aiopar.Future[Any], reply: dict[str, Any], what: str, 
         _fail(future, exc)
         return
     try:
-        payload = reply["r"]
-        value = deserialize(payload.header, payload.frames)
+        value = _loads(reply["r"])
     except Exception as exc:
         error = TypeError(
             f"the result of {what} came back from rpc peer {peer!r} but cannot be unpickled "
@@ -669,6 +729,8 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
+        # dask resolves host names in the loop's default executor: stop its thread too
+        self.run(self.loop.shutdown_default_executor())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
