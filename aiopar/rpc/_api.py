@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from .._future import Future
@@ -29,7 +28,7 @@ _init_lock = threading.Lock()
 
 def is_available() -> bool:
     """Whether an rpc engine (such as the aiopar-dask distribution) is installed."""
-    return bool(entry_points(group=ENTRY_POINT_GROUP))
+    return bool(_agent.entry_points(group=ENTRY_POINT_GROUP))
 
 
 def init_rpc(

@@ -16,6 +16,7 @@ callee, the agent runs each incoming call through :func:`run_callee`.
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from abc import ABC, abstractmethod
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, NamedTuple, Protocol
 
+from .._api import wrap
 from .._future import Future
 
 __all__ = [
@@ -185,13 +187,16 @@ def set_current_agent(agent: RpcAgent | None) -> RpcAgent | None:
 def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an incoming call in this thread and return what the agent replies with.
 
-    A :class:`aiopar.Future` (what an ``@async_execution`` function returns)
-    is not a value to send: the agent replies with its outcome once it is
-    done, from its done-callback, holding no thread meanwhile. Raises what
+    A :class:`aiopar.Future` (what an ``@async_execution`` function returns,
+    and what a coroutine function's coroutine is wrapped in) is not a value
+    to send: the agent replies with its outcome once it is done, from its
+    done-callback, holding no thread meanwhile. Raises what
     ``fn`` raises, and TypeError if an ``@async_execution`` function returns
     something else than a Future.
     """
     result = fn(*args, **kwargs)
+    if inspect.iscoroutine(result):
+        return wrap(result)  # a coroutine function: awaited on aiopar's loop thread
     if not isinstance(result, Future) and is_async_execution(fn):
         raise TypeError(
             f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
