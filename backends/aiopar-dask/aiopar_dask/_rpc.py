@@ -33,6 +33,7 @@ from distributed.comm import CommClosedError, connect
 from distributed.core import clean_exception, error_message
 from distributed.protocol import Serialized
 from distributed.protocol import pickle as dask_pickle
+from distributed.worker import _worker_cvar as _worker_context
 
 import aiopar
 from aiopar.backends import set_waiter
@@ -440,6 +441,9 @@ class DaskRpcAgent(RpcAgent):
         """In a worker thread: run one call; its reply goes to ``outbox``."""
         call_id = call["i"]
         previous = set_waiter(Seceder(is_task=False))
+        # As in a dask task, distributed.get_worker() and get_client() work
+        # here (dask's actors set the same context variable).
+        token = _worker_context.set(self._worker)
         try:
             fn, args, kwargs = _loads(call["c"])
             result = run_callee(fn, args, kwargs)
@@ -447,6 +451,7 @@ class DaskRpcAgent(RpcAgent):
             outbox.put(_error_reply(call_id, exc))
             return
         finally:
+            _worker_context.reset(token)
             set_waiter(previous)
         if isinstance(result, aiopar.Future):
             result.add_done_callback(lambda done: outbox.put(_future_reply(call_id, done)))
@@ -597,6 +602,7 @@ def _peer_options(rank: int, joined: bool, options: RpcBackendOptions) -> dict[s
         "rpc_timeout": options.rpc_timeout,
         "nthreads": options.num_worker_threads,
         "security": options.security,
+        "silence_logs": logging.WARN,  # as quiet as a LocalCluster
     }
 
 
@@ -683,6 +689,7 @@ async def _start(
             },
             security=options.security,
             asynchronous=True,
+            silence_logs=logging.WARN,
             name="aiopar.rpc",
         )
         address = cluster.scheduler_address
