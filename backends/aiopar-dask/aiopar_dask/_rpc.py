@@ -641,7 +641,7 @@ async def _start_peer(
         distributed.Client(
             address, security=options.security, asynchronous=True, set_as_default=False
         ) as client,
-        distributed.Lock("aiopar-rpc-ranks", client=client),
+        distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=client.scheduler, loop=client.loop),
     ):
         identity = await client.scheduler.identity(n_workers=-1)
         taken = {w["aiopar_rank"] for w in identity["workers"].values() if "aiopar_rank" in w}

@@ -9,7 +9,8 @@ import pytest
 
 
 def child_pids() -> set[int]:
-    """Live (not yet reaped) child processes of this process."""
+    """Live (not yet reaped) child processes of this process, but multiprocessing's
+    resource tracker."""
     me = str(os.getpid())
     children = set()
     for entry in os.listdir("/proc"):
@@ -20,9 +21,19 @@ def child_pids() -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[1] == me:  # fields: state, ppid, ...
+        if fields[1] == me and not _is_resource_tracker(entry):  # fields: state, ppid, ...
             children.add(int(entry))
     return children
+
+
+def _is_resource_tracker(pid: str) -> bool:
+    """multiprocessing's resource tracker: started by the first spawn, it
+    lives as long as this process, whoever spawned."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
 
 
 def listening_addresses(pids: set[int]) -> set[str]:
