@@ -1,11 +1,12 @@
 """aiopar.rpc on dask.distributed: every peer is a dask worker.
 
 A peer is a :class:`Peer`, a ``distributed.Worker`` that also serves rpc
-calls; the scheduler is the phone book (a peer's name, rank and address).
-Calls do not go through the scheduler: each caller keeps one comm per callee
-(dask's own comms, so TLS and serialization are dask's) on which calls and
-replies travel in batches, so a call costs one round trip between the two
-processes. The callee runs each call in its worker's thread pool; a call
+calls. The scheduler is the phone book (each peer's name, rank and
+addresses) and dask runs the processes (nannies restart dead peers of an
+embedded cluster). Calls do not go through the scheduler: a caller keeps one
+connection to each callee it calls (see ``_wire`` for why not a dask comm),
+writes its calls on it from its own thread, and one thread reads the
+replies. The callee runs each call in its worker's thread pool; a call
 blocked in ``wait`` leaves the pool after 0.1 s, and an ``async_execution``
 call holds no thread while its future is pending.
 """
@@ -15,30 +16,27 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import heapq
 import itertools
 import logging
-import pickle
 import signal
 import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import distributed
 from distributed import Nanny, Scheduler, Security, SpecCluster
-from distributed.comm import CommClosedError, connect
 from distributed.core import clean_exception, error_message
-from distributed.protocol import Serialized
-from distributed.protocol import pickle as dask_pickle
 from distributed.worker import _worker_cvar as _worker_context
 
 import aiopar
 from aiopar.backends import set_waiter
 from aiopar.rpc.agent import RpcAgent, RpcBackendOptions, WorkerInfo, run_callee, set_current_agent
 
+from . import _wire
 from ._cluster import LOOPBACK, protocol_for
 from ._settle import Settler
 from ._worker import Seceder
@@ -49,6 +47,10 @@ _logger = logging.getLogger("aiopar.rpc")
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
 _POLL = 0.05  # seconds between looks at the scheduler while waiting for peers
+_TICK = 0.05  # timeouts are checked this often
+
+# Threads that read connections: a done-callback never runs there (see _RpcFuture).
+_wire_thread = threading.local()
 
 
 class _Value:
@@ -59,6 +61,10 @@ class _Value:
 
     def __call__(self, worker: Any) -> Any:
         return self.value
+
+
+def _rpc_port(worker: Peer) -> int:
+    return worker.rpc_agent.port
 
 
 class Peer(distributed.Worker):
@@ -83,13 +89,13 @@ class Peer(distributed.Worker):
             "aiopar_rank": _Value(rank),
             "aiopar_joined": _Value(joined),
             "aiopar_token": _Value(self.rpc_token),
+            "aiopar_rpc_port": _rpc_port,
         }
+        kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)
         self.rpc_agent = DaskRpcAgent(self, rank, rpc_timeout)
-        self.handlers["aiopar_rpc"] = self.rpc_agent._serve
 
     async def start_unsafe(self) -> Peer:
-        self.rpc_agent._attach()
         await super().start_unsafe()
         set_current_agent(self.rpc_agent)
         return self
@@ -99,140 +105,167 @@ class Peer(distributed.Worker):
         return await super().close(*args, **kwargs)
 
 
-class _Link:
-    """This peer's comm to one callee, and the calls waiting for its replies."""
 
-    __slots__ = ("address", "name", "pending", "reader", "send")
+class _Listen(distributed.WorkerPlugin):
+    """Listens for calls once the worker knows its address, before the
+    scheduler lists it (dask sets plugins up between the two)."""
 
-    def __init__(self, name: str, address: str) -> None:
-        self.name = name
-        self.address = address
-        self.send = _Sender()
-        # call id -> (future, what was called, timer)
-        self.pending: dict[int, tuple[aiopar.Future[Any], str, asyncio.TimerHandle | None]] = {}
-        self.reader: asyncio.Task[None] | None = None  # connects, then reads the replies
+    name = "aiopar-rpc"
 
-
-def _dumps(obj: Any) -> Serialized:
-    """``obj`` pickled (protocol 5, array buffers out of band) as a dask
-    message part that the comm passes through untouched.
-
-    Plain pickle first, which is what dask's pickler tries first too; its
-    cloudpickle fallback (lambdas, functions defined in ``__main__``) only
-    when that fails or refers to ``__main__``.
-    """
-    buffers: list[pickle.PickleBuffer] = []
-    try:
-        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    except Exception:
-        data = b"__main__"
-    if b"__main__" in data:
-        buffers.clear()
-        data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
-    views = [memoryview(b) for b in buffers]
-    return Serialized({"writeable": [not v.readonly for v in views]}, [data, *views])
-
-
-def _loads(part: Serialized) -> Any:
-    data, *views = part.frames
-    buffers = [
-        memoryview(bytearray(v)) if w and v.readonly else v
-        for v, w in zip(map(memoryview, views), part.header["writeable"], strict=True)
-    ]
-    return pickle.loads(data, buffers=buffers)
-
-
-class _Sender:
-    """Messages to one comm: the first is written at once, those that come
-    while a write is under way go together in the next."""
-
-    __slots__ = ("_buffer", "_comm", "_task")
-
-    def __init__(self) -> None:
-        self._comm: Any = None
-        self._buffer: list[Any] = []
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self, comm: Any) -> None:
-        comm.allow_offload = False  # the parts are pickled already; sizing them costs more
-        self._comm = comm
-        if self._buffer:
-            self._task = asyncio.ensure_future(self._write())
-
-    def send(self, *msgs: Any) -> None:
-        self._buffer.extend(msgs)
-        if self._task is None and self._comm is not None:
-            self._task = asyncio.ensure_future(self._write())
-
-    async def _write(self) -> None:
-        try:
-            while self._buffer:
-                batch, self._buffer = self._buffer, []
-                await self._comm.write(batch, on_error="raise")
-        except Exception:
-            self._comm.abort()  # the reader sees it and fails what is pending
-        finally:
-            self._task = None
-
-    def abort(self) -> None:
-        self._buffer = []
-        if self._comm is not None:
-            self._comm.abort()
-
-
-class _Outbox:
-    """Messages from any thread to a loop: one wake-up per batch, not per message."""
-
-    __slots__ = ("_drain", "_items", "_lock", "_loop", "_scheduled")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, drain: Callable[[list[Any]], None]):
-        self._loop = loop
-        self._drain = drain
-        self._items: deque[Any] = deque()
-        self._lock = threading.Lock()
-        self._scheduled = False
-
-    def put(self, item: Any) -> None:
-        with self._lock:
-            self._items.append(item)
-            if self._scheduled:
-                return
-            self._scheduled = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the peer is gone
-            self._loop.call_soon_threadsafe(self._run)
-
-    def _run(self) -> None:
-        with self._lock:
-            items = list(self._items)
-            self._items.clear()
-            self._scheduled = False
-        self._drain(items)
+    def setup(self, worker: Peer) -> None:  # type: ignore[override]
+        worker.rpc_agent._listen(worker.ip)
 
 
 class _RpcFuture(aiopar.Future[Any]):
-    """The future of a call. Replies settle it on the event loop, which wakes
-    ``rpc_sync`` at once; a done-callback that would run on the loop runs in
-    the settler thread instead, since it may block."""
+    """The future of a call. The thread that reads replies settles it, which
+    wakes ``rpc_sync`` at once; a done-callback that would run in that thread
+    runs in the settler thread instead, since it may block."""
 
-    __slots__ = ("_agent",)
+    __slots__ = ("_settler",)
 
-    def __init__(self, agent: DaskRpcAgent) -> None:
+    def __init__(self, settler: Settler) -> None:
         super().__init__()
-        self._agent = agent
+        self._settler = settler
 
     def add_done_callback(self, fn: Callable[[aiopar.Future[Any]], object]) -> None:
-        agent = self._agent
+        settler = self._settler
 
-        def off_the_loop(future: aiopar.Future[Any]) -> None:
-            if threading.get_ident() == agent._loop_thread:
-                agent._settler.call(fn, future)
+        def off_the_wire(future: aiopar.Future[Any]) -> None:
+            if getattr(_wire_thread, "active", False):
+                settler.call(fn, future)
             else:
                 fn(future)
 
-        super().add_done_callback(off_the_loop)
+        super().add_done_callback(off_the_wire)
 
 
-_SMALL = 64 * 1024  # replies up to this size are unpickled on the loop
+class _Link:
+    """This peer's connection to one callee, and the calls waiting for its replies."""
+
+    def __init__(self, agent: DaskRpcAgent, name: str, address: str, connection: Any) -> None:
+        self.agent = agent
+        self.name = name
+        self.address = address
+        self.connection: _wire.Connection = connection
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+        # call id -> (future, what was called)
+        self.pending: dict[int, tuple[aiopar.Future[Any], str]] = {}
+        self.broken: BaseException | None = None
+        self.reader = threading.Thread(
+            target=self._read, name=f"aiopar-rpc-link-{name}", daemon=True
+        )
+        self.reader.start()
+
+    def call(self, future: aiopar.Future[Any], what: str, frames: Any, timeout: float) -> None:
+        with self.lock:
+            if self.broken is not None:
+                raise self.broken
+            call_id = next(self.ids)
+            self.pending[call_id] = (future, what)
+        if timeout:
+            self.agent._timeouts.add(time.monotonic() + timeout, self, call_id, timeout)
+        try:
+            self.connection.send(_wire.CALL, call_id, *frames)
+        except OSError as exc:
+            self.fail_all(exc)
+
+    def pop(self, call_id: int) -> tuple[aiopar.Future[Any], str] | None:
+        with self.lock:
+            return self.pending.pop(call_id, None)
+
+    def _read(self) -> None:
+        _wire_thread.active = True
+        try:
+            while True:
+                kind, call_id, frames = self.connection.receive()
+                entry = self.pop(call_id)
+                if entry is not None:  # else it timed out already
+                    _settle_reply(entry[0], kind, frames, entry[1], self.name)
+        except Exception as exc:
+            self.fail_all(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The connection broke: every pending call fails, naming the peer."""
+        stopped = self.agent._stopped
+        with self.lock:
+            if self.broken is None:
+                self.broken = stopped or aiopar.BrokenWorkerError(
+                    f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it "
+                    f"broke ({type(exc).__name__}: {exc})"
+                )
+            pending, self.pending = self.pending, {}
+        self.agent._forget_link(self)
+        self.connection.close()
+        for future, what in pending.values():
+            if stopped is not None:
+                error: BaseException = RuntimeError(
+                    f"the call of {what} to {self.name!r} was pending when this peer shut down"
+                )
+            else:
+                error = aiopar.BrokenWorkerError(
+                    f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it "
+                    f"broke while the call of {what} was pending ({type(exc).__name__}: {exc})"
+                )
+            error.__cause__ = exc
+            _fail(future, error)
+
+
+class _Timeouts:
+    """Deadlines of pending calls, checked every ``_TICK`` s by one thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ticks: dict[int, list[tuple[_Link, int, float]]] = {}
+        self._heap: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, deadline: float, link: _Link, call_id: int, timeout: float) -> None:
+        tick = int(deadline / _TICK) + 1
+        with self._lock:
+            entries = self._ticks.get(tick)
+            if entries is None:
+                entries = self._ticks[tick] = []
+                heapq.heappush(self._heap, tick)
+                if self._heap[0] == tick:
+                    self._wake.notify()
+            entries.append((link, call_id, timeout))
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="aiopar-rpc-timeouts")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    if self._heap and self._heap[0] * _TICK <= now:
+                        due = self._ticks.pop(heapq.heappop(self._heap))
+                        break
+                    self._wake.wait(self._heap[0] * _TICK - now if self._heap else None)
+            for link, call_id, timeout in due:
+                entry = link.pop(call_id)
+                if entry is not None:
+                    future, what = entry
+                    _fail(
+                        future,
+                        TimeoutError(
+                            f"the call of {what} to rpc peer {link.name!r} had no reply after "
+                            f"{timeout:g} s (pass timeout= to the call, or rpc_timeout to "
+                            f"init_rpc's options)"
+                        ),
+                    )
+
+    def close(self) -> threading.Thread | None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+            return self._thread
 
 
 class DaskRpcAgent(RpcAgent):
@@ -243,15 +276,19 @@ class DaskRpcAgent(RpcAgent):
         self._rank = rank
         self._default_timeout = default_timeout
         self._lock = threading.Lock()
-        self._peers: dict[str, tuple[WorkerInfo, str]] = {}  # name -> (info, address)
-        self._links: dict[str, _Link] = {}  # by callee address
-        self._ids = itertools.count()
+        self._peers: dict[str, tuple[WorkerInfo, str, int]] = {}  # name -> (info, address, port)
+        self._links: dict[str, _Link] = {}  # by callee name
         self._settler = Settler("rpc")
-        self._outbox: _Outbox | None = None
-        self._loop_thread = 0
+        self._timeouts = _Timeouts()
+        self._listener: _wire.Listener | None = None
         self._stopped: BaseException | None = None
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
         self.on_close: Callable[[], None] | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return self._listener.port
 
     # -- RpcAgent ------------------------------------------------------------------
 
@@ -277,7 +314,7 @@ class DaskRpcAgent(RpcAgent):
     def peers(self) -> list[WorkerInfo]:
         self._run(self._refresh_peers())
         with self._lock:
-            return sorted((info for info, _ in self._peers.values()), key=lambda i: i.id)
+            return sorted((p[0] for p in self._peers.values()), key=lambda info: info.id)
 
     def call(
         self,
@@ -289,21 +326,26 @@ class DaskRpcAgent(RpcAgent):
     ) -> aiopar.Future[Any]:
         if self._stopped is not None:
             raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
-        found = self._lookup(to.name)
-        if found is None:
-            self.peer(to.name)  # refreshes, or raises naming the peers
-            found = self._lookup(to.name)
-            assert found is not None
         try:
-            payload = _dumps((fn, args, kwargs))
+            frames = _wire.dumps((fn, args, kwargs))
         except Exception as exc:
             raise TypeError(
                 f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        future = _RpcFuture(self)
-        assert self._outbox is not None
-        self._outbox.put((to.name, found[1], payload, future, _name(fn), timeout))
+        future = _RpcFuture(self._settler)
+        what = _name(fn)
+        try:
+            link = self._link(to.name)
+            link.call(future, what, frames, timeout)
+        except (OSError, aiopar.BrokenWorkerError) as exc:
+            with self._lock:
+                self._peers.pop(to.name, None)  # it may come back elsewhere: look again next time
+            error = aiopar.BrokenWorkerError(
+                f"rpc peer {to.name!r} cannot be reached ({type(exc).__name__}: {exc})"
+            )
+            error.__cause__ = exc
+            _fail(future, error)
         return future
 
     def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
@@ -311,13 +353,13 @@ class DaskRpcAgent(RpcAgent):
         if graceful:
             self._run(self._leave_together(deadline), timeout=None)
         self._run(_close(self._worker, self.cluster), timeout=None)
-        self._settler.close()
+        self._join()
         if self.on_close is not None:
             self.on_close()
 
-    # -- the caller's side ---------------------------------------------------------------
+    # -- the caller's side -------------------------------------------------------------
 
-    def _lookup(self, to: str | int) -> tuple[WorkerInfo, str] | None:
+    def _lookup(self, to: str | int) -> tuple[WorkerInfo, str, int] | None:
         with self._lock:
             if isinstance(to, str):
                 return self._peers.get(to)
@@ -326,164 +368,119 @@ class DaskRpcAgent(RpcAgent):
     async def _refresh_peers(self) -> None:
         identity = await self._worker.scheduler.identity(n_workers=-1)
         peers = {
-            str(w["name"]): (WorkerInfo(str(w["name"]), w["aiopar_rank"]), address)
-            for address, w in identity["workers"].items()
+            str(w["name"]): (WorkerInfo(str(w["name"]), w["aiopar_rank"]), a, w["aiopar_rpc_port"])
+            for a, w in identity["workers"].items()
             if "aiopar_rank" in w
         }
         with self._lock:
             self._peers = peers
 
-    def _send(self, calls: list[tuple[Any, ...]]) -> None:
-        """On the loop: put calls on their links."""
-        loop = asyncio.get_running_loop()
-        for name, address, payload, future, what, timeout in calls:
-            if self._stopped is not None:
-                future.set_exception(RuntimeError(f"this rpc peer has shut down: {self._stopped}"))
-                continue
-            link = self._links.get(address)
-            if link is None:
-                link = self._links[address] = _Link(name, address)
-                link.reader = loop.create_task(self._open(link))
-            call_id = next(self._ids)
-            timer = None
-            if timeout:
-                timer = loop.call_later(timeout, self._expire, link, call_id, timeout)
-            link.pending[call_id] = (future, what, timer)
-            link.send.send({"i": call_id, "c": payload})
-
-    async def _open(self, link: _Link) -> None:
-        try:
-            comm = await connect(
-                link.address,
-                timeout=_CONNECT_TIMEOUT,
-                deserialize=False,
-                **self._worker.connection_args,
-            )
-            await comm.write({"op": "aiopar_rpc", "caller": self._worker.name, "reply": False})
-        except Exception as exc:
-            self._drop(link, exc)
-            return
-        link.send.start(comm)
-        try:
-            while True:
-                replies = await comm.read()
-                for reply in replies:
-                    entry = link.pending.pop(reply["i"], None)
-                    if entry is None:
-                        continue  # it timed out already
-                    future, what, timer = entry
-                    if timer is not None:
-                        timer.cancel()
-                    if "r" in reply and sum(map(len, reply["r"].frames)) > _SMALL:
-                        self._settler.call(_settle_reply, future, reply, what, link.name)
-                    else:
-                        _settle_reply(future, reply, what, link.name)
-        except Exception as exc:
-            self._drop(link, exc)
-
-    def _drop(self, link: _Link, exc: BaseException) -> None:
-        """The link broke: its pending calls fail, naming the peer; the next call reconnects."""
-        if self._links.get(link.address) is link:
-            del self._links[link.address]
+    def _link(self, name: str) -> _Link:
+        """The link to ``name``, connected on first use (in the calling thread)."""
         with self._lock:
-            if self._peers.get(link.name, (None, None))[1] == link.address:
-                del self._peers[link.name]  # it may come back elsewhere (a nanny restarts it)
-        link.send.abort()
-        if not link.pending:
-            return
-        stopped = self._stopped
-        for call_id, (future, what, timer) in list(link.pending.items()):
-            if timer is not None:
-                timer.cancel()
-            if stopped is not None:
-                error: BaseException = RuntimeError(
-                    f"the call of {what} to {link.name!r} was pending when this peer shut down"
-                )
-            else:
-                error = aiopar.BrokenWorkerError(
-                    f"rpc peer {link.name!r} ({link.address}) is gone: the connection to it "
-                    f"broke while the call of {what} was pending ({type(exc).__name__}: {exc})"
-                )
-            error.__cause__ = exc if stopped is None else stopped
-            self._settler.call(_fail, future, error)
-            del link.pending[call_id]
+            link = self._links.get(name)
+        if link is not None:
+            return link
+        found = self._lookup(name)
+        if found is None:
+            self.peer(name)  # refreshes, or raises naming the peers
+            found = self._lookup(name)
+            assert found is not None
+        _, address, port = found
+        host = distributed.comm.get_address_host(address)
+        context = self._worker.connection_args.get("ssl_context")
+        connection = _wire.connect(host, port, _CONNECT_TIMEOUT, context)
+        with self._lock:
+            if self._stopped is not None:
+                connection.close()
+                raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
+            link = self._links.get(name)
+            if link is None:
+                link = self._links[name] = _Link(self, name, address, connection)
+                return link
+        connection.close()  # another thread connected first
+        return link
 
-    def _expire(self, link: _Link, call_id: int, timeout: float) -> None:
-        entry = link.pending.pop(call_id, None)
-        if entry is not None:
-            future, what, _ = entry
-            error = TimeoutError(
-                f"the call of {what} to rpc peer {link.name!r} had no reply after {timeout:g} s "
-                f"(pass timeout= to the call, or rpc_timeout to init_rpc's options)"
-            )
-            self._settler.call(_fail, future, error)
+    def _forget_link(self, link: _Link) -> None:
+        """A broken link: the next call reconnects, to wherever the peer is then
+        (the nanny of an embedded cluster restarts a dead peer elsewhere)."""
+        with self._lock:
+            if self._links.get(link.name) is link:
+                del self._links[link.name]
+            if self._peers.get(link.name, (None, None, None))[1] == link.address:
+                del self._peers[link.name]
 
     # -- the callee's side ----------------------------------------------------------------
 
-    async def _serve(self, comm: Any, caller: str) -> Any:
-        """The handler of a caller's comm: run its calls, send their replies."""
-        comm.deserialize = False  # each call is unpickled in its own thread
-        replies = _Sender()
-        replies.start(comm)
-        outbox = _Outbox(asyncio.get_running_loop(), lambda items: replies.send(*items))
-        executor = self._worker.executors["default"]
-        try:
-            while True:
-                for call in await comm.read():
-                    executor.submit(self._run_call, call, outbox)
-        except (CommClosedError, OSError):
-            pass
-        finally:
-            replies.abort()
-        return distributed.core.Status.dont_reply
+    def _listen(self, host: str) -> None:
+        context = self._worker.security.get_listen_args("worker").get("ssl_context")
+        self._listener = _wire.Listener(host, context, self._on_call)
 
-    def _run_call(self, call: dict[str, Any], outbox: _Outbox) -> None:
-        """In a worker thread: run one call; its reply goes to ``outbox``."""
-        call_id = call["i"]
+    def _on_call(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
+        try:
+            self._worker.executors["default"].submit(self._run_call, connection, call_id, frames)
+        except RuntimeError as exc:  # the worker is closing
+            _reply_error(connection, call_id, exc)
+
+    def _run_call(self, connection: _wire.Connection, call_id: int, frames: Any) -> None:
+        """In a worker thread: run one call and reply (for a Future, once it is done)."""
         previous = set_waiter(Seceder(is_task=False))
         # As in a dask task, distributed.get_worker() and get_client() work
         # here (dask's actors set the same context variable).
         token = _worker_context.set(self._worker)
         try:
-            fn, args, kwargs = _loads(call["c"])
+            fn, args, kwargs = _wire.loads(frames)
+            del frames
             result = run_callee(fn, args, kwargs)
         except BaseException as exc:
-            outbox.put(_error_reply(call_id, exc))
+            _reply_error(connection, call_id, exc)
             return
         finally:
             _worker_context.reset(token)
             set_waiter(previous)
         if isinstance(result, aiopar.Future):
-            result.add_done_callback(lambda done: outbox.put(_future_reply(call_id, done)))
+            result.add_done_callback(lambda done: _reply_future(connection, call_id, done))
         else:
-            outbox.put(_value_reply(call_id, result))
+            _reply_value(connection, call_id, result)
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def _attach(self) -> None:
-        """On the loop, once the worker runs: the outbox of the calls made here."""
-        self._outbox = _Outbox(asyncio.get_running_loop(), self._send)
-        self._loop_thread = threading.get_ident()
-
     def _stop(self, reason: BaseException) -> None:
-        if self._stopped is not None:
-            return
-        self._stopped = reason
+        """Stop serving and calling (on the loop: nothing here waits for threads)."""
+        with self._lock:
+            if self._stopped is not None:
+                return
+            self._stopped = reason
+            links = list(self._links.values())
+        if self._listener is not None:
+            self._listener.close(timeout=None)
+        for link in links:
+            link.fail_all(reason)
+        self._timeouts.close()
+        self._settler.close(timeout=0)
+
+    def _join(self) -> None:
+        """Wait for the threads that _stop told to end."""
+        if self._listener is not None:
+            self._listener.close()
+        thread = self._timeouts.close()
+        if thread is not None:
+            thread.join(5)
         for link in list(self._links.values()):
-            self._drop(link, reason)
-        self._settler.close(timeout=0)  # on the loop: no joins here; shutdown() joins
+            link.reader.join(5)
+        self._settler.close()
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
         """Run a coroutine on the worker's loop from another thread and return its result."""
         loop = self._worker.loop.asyncio_loop
         if _running_loop() is loop:
             coro.close()
-            raise RuntimeError("a blocking rpc call was made on the rpc event loop's own thread")
+            raise RuntimeError("a blocking rpc call was made on the peer's event loop thread")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     async def _leave_together(self, deadline: float | None) -> None:
         """Graceful shutdown: this peer's calls finish, then every peer that joined leaves."""
-        while any(link.pending for link in self._links.values()):
+        while any(link.pending for link in list(self._links.values())):
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(_POLL)
@@ -491,9 +488,8 @@ class DaskRpcAgent(RpcAgent):
         await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._worker.rpc_token], value=1)
         while deadline is None or time.monotonic() < deadline:
             identity = await scheduler.identity(n_workers=-1)
-            joined = {
-                w["aiopar_token"] for w in identity["workers"].values() if w.get("aiopar_joined")
-            }
+            workers = identity["workers"].values()
+            joined = {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
             leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
             if joined <= set(leaving):
                 return
@@ -503,46 +499,40 @@ class DaskRpcAgent(RpcAgent):
 # -- replies -----------------------------------------------------------------------------------
 
 
-def _value_reply(call_id: int, value: Any) -> dict[str, Any]:
+def _reply_value(connection: _wire.Connection, call_id: int, value: Any) -> None:
     try:
-        return {"i": call_id, "r": _dumps(value)}
+        frames = _wire.dumps(value)
     except Exception as exc:
         error = TypeError(
             f"the result ({type(value).__name__}) cannot be sent back: {type(exc).__name__}: {exc}"
         )
-        return _error_reply(call_id, error)
+        _reply_error(connection, call_id, error)
+        return
+    with contextlib.suppress(OSError):  # the caller is gone
+        connection.send(_wire.VALUE, call_id, *frames)
 
 
-def _error_reply(call_id: int, exc: BaseException) -> dict[str, Any]:
+def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException) -> None:
     message = error_message(exc)  # dask's: the exception and traceback, pickled (or as text)
     traceback = message["traceback"]
-    return {
-        "i": call_id,
-        "e": message["exception"].data,
-        "t": None if traceback is None else traceback.data,
-    }
+    payload = (message["exception"].data, None if traceback is None else traceback.data)
+    with contextlib.suppress(OSError):
+        connection.send(_wire.ERROR, call_id, *_wire.dumps(payload))
 
 
-def _future_reply(call_id: int, done: aiopar.Future[Any]) -> dict[str, Any]:
+def _reply_future(connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]) -> None:
     try:
         value = done.value()
     except BaseException as exc:
-        return _error_reply(call_id, exc)
-    return _value_reply(call_id, value)
+        _reply_error(connection, call_id, exc)
+    else:
+        _reply_value(connection, call_id, value)
 
 
-def _settle_reply(future: aiopar.Future[Any], reply: dict[str, Any], what: str, peer: str) -> None:
-    """In the settler thread: unpickle a reply and settle its future."""
-    if "e" in reply:
-        _, exc, tb = clean_exception(reply["e"], reply["t"])
-        assert exc is not None
-        if tb is not None:
-            exc = exc.with_traceback(tb)
-        exc.add_note(f"(raised by {what} on rpc peer {peer!r})")
-        _fail(future, exc)
-        return
+def _settle_reply(future: aiopar.Future[Any], kind: int, frames: Any, what: str, peer: str) -> None:
+    """Unpickle a reply and settle its future."""
     try:
-        value = _loads(reply["r"])
+        payload = _wire.loads(frames)
     except Exception as exc:
         error = TypeError(
             f"the result of {what} came back from rpc peer {peer!r} but cannot be unpickled "
@@ -551,8 +541,16 @@ def _settle_reply(future: aiopar.Future[Any], reply: dict[str, Any], what: str, 
         error.__cause__ = exc
         _fail(future, error)
         return
-    with contextlib.suppress(aiopar.InvalidStateError):  # it timed out meanwhile
-        future.set_result(value)
+    if kind == _wire.VALUE:
+        with contextlib.suppress(aiopar.InvalidStateError):  # cancelled meanwhile
+            future.set_result(payload)
+        return
+    _, exc, tb = clean_exception(*payload)
+    assert exc is not None
+    if tb is not None:
+        exc = exc.with_traceback(tb)
+    exc.add_note(f"(raised by {what} on rpc peer {peer!r})")
+    _fail(future, exc)
 
 
 def _fail(future: aiopar.Future[Any], error: BaseException) -> None:

@@ -299,3 +299,15 @@ def test_settler_threads_hand_over_while_a_callback_blocks(inproc):
     assert inproc.fork(double, 2).wait(timeout=10) == 4
     gate.set_result(None)
     assert blocked.wait(timeout=10) == 2
+
+
+def test_tls_through_dasks_security():
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    backend = DaskBackend(
+        n_workers=1, threads_per_worker=1, security=distributed.Security.temporary()
+    )
+    try:
+        assert backend.client.scheduler.address.startswith("tls://")
+        assert backend.fork(double, 4).wait() == 8
+    finally:
+        backend.shutdown()

@@ -213,3 +213,16 @@ def test_exit_without_shutdown_leaves_nothing_running(tmp_path):
     """
     out, err = python(script).communicate(timeout=60)
     assert out.strip() == "3", err
+
+
+def test_tls_through_dasks_security(leaves_nothing_behind):
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    tls = distributed.Security.temporary()
+    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=options(security=tls))
+    try:
+        agent = rpc.agent.current_agent()
+        assert agent.cluster.scheduler_address.startswith("tls://")
+        assert agent._listener._context is not None  # the calls are encrypted too
+        assert rpc.rpc_sync("worker1", np.add, args=(1, 2)) == 3
+    finally:
+        rpc.shutdown()
