@@ -105,7 +105,6 @@ class Peer(distributed.Worker):
         return await super().close(*args, **kwargs)
 
 
-
 class _Listen(distributed.WorkerPlugin):
     """Listens for calls once the worker knows its address, before the
     scheduler lists it (dask sets plugins up between the two)."""
