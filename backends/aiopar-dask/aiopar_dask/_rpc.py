@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import distributed
@@ -46,7 +46,7 @@ __all__ = ["Peer", "rpc_engine"]
 _logger = logging.getLogger("aiopar.rpc")
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
-_POLL = 0.05  # seconds between looks at the scheduler while waiting for peers
+_POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
 _TICK = 0.05  # timeouts are checked this often
 
 # Threads that read connections: a done-callback never runs there (see _RpcFuture).
@@ -485,14 +485,13 @@ class DaskRpcAgent(RpcAgent):
             await asyncio.sleep(_POLL)
         scheduler = self._worker.scheduler
         await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._worker.rpc_token], value=1)
-        while deadline is None or time.monotonic() < deadline:
+        async for _ in _polls(deadline):
             identity = await scheduler.identity(n_workers=-1)
             workers = identity["workers"].values()
             joined = {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
             leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
             if joined <= set(leaving):
                 return
-            await asyncio.sleep(_POLL)
 
 
 # -- replies -----------------------------------------------------------------------------------
@@ -705,19 +704,27 @@ async def _start(
 
 async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) -> None:
     """torch's rendezvous: return once ``world_size`` peers have joined."""
-    deadline = time.monotonic() + timeout if timeout else None
-    while True:
+    names: list[str] = []
+    async for _ in _polls(time.monotonic() + timeout if timeout else None):
         await agent._refresh_peers()
         names = sorted(agent._peers)
         if len(names) >= world_size:
             return
-        if deadline is not None and time.monotonic() > deadline:
-            await _close(agent._worker, None)
-            raise TimeoutError(
-                f"init_rpc waited {timeout:g} s for {world_size} peers, and only these joined: "
-                f"{', '.join(names)}"
-            )
-        await asyncio.sleep(_POLL)
+    await _close(agent._worker, None)
+    raise TimeoutError(
+        f"init_rpc waited {timeout:g} s for {world_size} peers, and only these joined: "
+        f"{', '.join(names)}"
+    )
+
+
+async def _polls(deadline: float | None) -> AsyncIterator[None]:
+    """Look again at the scheduler until ``deadline``, more and more rarely
+    (from 50 ms to 1 s apart), so a thousand waiting peers do not flood it."""
+    delay = _POLL
+    while deadline is None or time.monotonic() < deadline:
+        yield
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 1.0)
 
 
 class _LoopThread:
