@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -336,3 +337,29 @@ def test_shutdown_clears_the_agent_and_owned_values(fake):
     assert _rref._owned == {}
     with pytest.raises(RuntimeError, match="init_rpc"):
         rpc.get_worker_info()
+
+
+def test_a_collected_rref_drops_its_value_on_the_owner(fake):
+    from aiopar.rpc import _rref
+
+    rref = rpc.remote("other", Counter, args=(1,))
+    assert rref.to_here().n == 1
+    rref_id = rref._id
+    assert rref_id in _rref._owned  # "other" lives in this process here
+    del rref
+    rpc.rpc_sync("other", add, args=(1, 1))  # the next call tells the owner
+    deadline = time.monotonic() + 5
+    while rref_id in _rref._owned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rref_id not in _rref._owned
+
+
+def test_a_shared_rref_keeps_its_value(fake):
+    from aiopar.rpc import _rref
+
+    rref = rpc.remote("other", Counter, args=(3,))
+    assert rpc.rpc_sync("other", read_rref, args=(rref,)) == 3  # a copy went to "other"
+    rref_id = rref._id
+    del rref
+    rpc.rpc_sync("other", add, args=(1, 1))
+    assert rref_id in _rref._owned

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from .._future import Future
 from . import agent as _agent
-from ._rref import RRef, _create, _new_id, forget_owned
+from ._rref import RRef, _collected, _create, _new_id, forget_owned, send_collected
 from .agent import ENTRY_POINT_GROUP, RpcBackendOptions, WorkerInfo, check_timeout
 
 __all__ = [
@@ -127,6 +127,8 @@ def rpc_async(
     agent = _agent.current_agent()
     if not callable(func):
         raise TypeError(f"func must be a callable to run on {to!r}, got {type(func).__name__}")
+    if _collected:
+        send_collected(agent)
     return agent.call(
         _peer_of(agent, to),
         func,
@@ -168,6 +170,8 @@ def remote(
     if not callable(func):
         raise TypeError(f"func must be a callable to run on {to!r}, got {type(func).__name__}")
     owner = _peer_of(agent, to)
+    if _collected:
+        send_collected(agent)
     rref_id = _new_id()
     created = agent.call(
         owner,

@@ -4,16 +4,18 @@ The owner keeps each value in a table, under an id its creator picks, so
 ``remote`` returns before the value exists. The table's functions below run
 on the owner through ordinary calls; the ones that wait for the value are
 ``async_execution``, so a fetch that arrives before the value holds no
-thread. A value is dropped when the RRef that ``remote`` returned is
-collected, unless a copy of it was sent to another peer; then it stays until
-the owner shuts down.
+thread. A value is dropped once the RRef that ``remote`` returned is collected (the
+creator tells the owner with its next call), unless a copy of it was sent to
+another peer; then it stays until the owner shuts down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -94,15 +96,34 @@ def _call_method(rref_id: str, name: str, args: Any, kwargs: Any) -> Future[Any]
     return result
 
 
-def _delete(rref_id: str) -> None:
+def _delete(rref_ids: list[str]) -> None:
     with _owned_lock:
-        _owned.pop(rref_id, None)
+        for rref_id in rref_ids:
+            _owned.pop(rref_id, None)
+
+
+_collected: deque[tuple[WorkerInfo, str]] = deque()  # RRefs collected here, by owner
+
+
+def send_collected(agent: _agent.RpcAgent) -> None:
+    """Tell the owners of the RRefs collected here to drop their values."""
+    by_owner: dict[WorkerInfo, list[str]] = {}
+    while _collected:
+        owner, rref_id = _collected.popleft()
+        by_owner.setdefault(owner, []).append(rref_id)
+    for owner, rref_ids in by_owner.items():
+        if owner.name == agent.worker_info.name:
+            _delete(rref_ids)
+            continue
+        with contextlib.suppress(Exception):  # the owner is gone, and its table with it
+            agent.call(owner, _delete, (rref_ids,), {}, 0).add_done_callback(_ignore_outcome)
 
 
 def forget_owned() -> None:
     """Drop every value this process owns (at shutdown)."""
     with _owned_lock:
         _owned.clear()
+    _collected.clear()
 
 
 # -- the handle --------------------------------------------------------------------
@@ -141,16 +162,11 @@ class RRef(Generic[T]):
         return f"RRef(owner={self._owner.name}, id={self._id})"
 
     def __del__(self) -> None:
-        if self._created is None or self._shared:
-            return
-        try:
-            if self.is_owner():
-                _delete(self._id)
-            else:
-                deleted = _agent.current_agent().call(self._owner, _delete, (self._id,), {}, 0)
-                deleted.add_done_callback(_ignore_outcome)
-        except Exception:
-            pass  # the agent is gone: so is the owner's table
+        # The garbage collector may run this in any thread, holding any lock:
+        # only note the id here (deque.append takes no lock); the next call
+        # from this peer sends it (see send_collected).
+        if self._created is not None and not self._shared:
+            _collected.append((self._owner, self._id))
 
     # -- where it lives -------------------------------------------------------------
 
