@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -363,3 +365,13 @@ def test_a_shared_rref_keeps_its_value(fake):
     del rref
     rpc.rpc_sync("other", add, args=(1, 1))
     assert rref_id in _rref._owned
+
+
+def test_the_core_imports_no_engine():
+    code = (
+        "import sys, aiopar.rpc; engines = ('distributed', 'dask', 'aiopar_dask'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in engines))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
