@@ -6,18 +6,16 @@ trio, or chained with ``then``. Backends decide where the work runs.
 """
 
 from ._api import TaskGroup, as_completed, collect_all, fork, task_group, wait, wait_all, wrap
-from ._config import (
-    get_backend,
+from ._budget import (
     get_num_interop_threads,
     get_num_threads,
-    parallel_info,
-    set_backend,
     set_num_interop_threads,
     set_num_threads,
-    use_backend,
 )
+from ._config import get_backend, set_backend, use_backend
 from ._errors import BrokenWorkerError, CancelledError, InvalidStateError
 from ._future import Future
+from ._info import parallel_info
 from ._parallel import in_parallel_region, parallel_for
 from .backends import Backend, available_backends
 

@@ -9,9 +9,9 @@ import inspect
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 import anyio
 
@@ -32,9 +32,16 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-def fork(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+@overload
+def fork(
+    fn: Callable[P, Coroutine[Any, Any, T]], /, *args: P.args, **kwargs: P.kwargs
+) -> Future[T]: ...
+@overload
+def fork(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]: ...
+def fork(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
     """Start ``fn(*args, **kwargs)`` on the current backend and return its future at once.
 
     ``fn`` may be a function, a bound method or any callable object. A
@@ -65,7 +72,7 @@ def _future_list(futs: Iterable[Future[Any]], where: str) -> list[Future[Any]]:
     return [_check_future(f, where) for f in futs]
 
 
-def collect_all(futs: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
+def collect_all(futs: Iterable[Future[T]]) -> Future[list[Future[T]]]:
     """A future that is done once every future in ``futs`` is done.
 
     Its value is the list of the futures themselves, in order; it never
@@ -88,7 +95,7 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
         if task is not None and task.stealable:
             task.run()  # does nothing unless the task has not started
         if fut._exception is not None:  # set only on a finished, failed future
-            raise fut._exception
+            fut.value()  # raises it
     pending = [fut for fut in futures if not fut.done()]
     if pending:
         _when_all(pending, None, fail_fast=True).wait()
@@ -108,7 +115,7 @@ def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Futur
             if fut.cancelled():
                 outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
             elif fut._exception is not None:
-                outcome._settle(None, fut._exception)
+                outcome._settle(None, fut._retrieve())
         with lock:
             remaining -= 1
             last = remaining == 0
@@ -259,7 +266,13 @@ class TaskGroup:
         self._lock = threading.Lock()
         self._exited = False
 
-    def fork(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+    @overload
+    def fork(
+        self, fn: Callable[P, Coroutine[Any, Any, T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Future[T]: ...
+    @overload
+    def fork(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]: ...
+    def fork(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Like :func:`aiopar.fork`, for a task the group waits for."""
         if self._exited:
             raise RuntimeError("this task group has exited; fork inside its 'with' block")
@@ -316,7 +329,7 @@ class TaskGroup:
     def _finish(self, exc: BaseException | None) -> bool:
         self._exited = True
         failures = [
-            fut._exception
+            fut._retrieve()
             for fut in self._futures
             if not fut.cancelled() and fut._exception is not None
         ]

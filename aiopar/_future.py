@@ -8,6 +8,9 @@ Done means FINISHED or CANCELLED, and a done future never changes again.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import sys
 import threading
 import time
 import warnings
@@ -93,6 +96,7 @@ class Future(Generic[T]):
         "_result",
         "_state",
         "_task",
+        "_unretrieved",
         "_waiters",
     )
 
@@ -104,6 +108,9 @@ class Future(Generic[T]):
         self._waiters: list[Any] | None = None
         self._lock = threading.Lock()
         self._task: Any = None  # the forked task behind this future, if any
+        # Set while a failure nobody has read yet would be logged when the
+        # future is collected; a future that succeeds never gets one.
+        self._unretrieved: _Unretrieved | None = None
 
     def __repr__(self) -> str:
         state = self._state
@@ -179,8 +186,14 @@ class Future(Generic[T]):
         with self._lock:
             if self._state >= CANCELLED:
                 return False
-            self._result = result
-            self._exception = exception
+            if exception is None:
+                self._result = result
+            else:
+                # The traceback it was raised with: every re-raise starts from
+                # it, so waiting often on a failed future grows nothing.
+                self._result = exception.__traceback__
+                self._exception = exception
+                self._unretrieved = _Unretrieved(self, exception)
             self._state = FINISHED
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
@@ -199,7 +212,7 @@ class Future(Generic[T]):
         state = self._state
         if state == FINISHED:
             if self._exception is not None:
-                raise self._exception
+                raise self._retrieve().with_traceback(self._result)
             return self._result
         if state == CANCELLED:
             raise CancelledError(f"{self!r} was cancelled before its task started")
@@ -213,7 +226,7 @@ class Future(Generic[T]):
         of workers. Raises TimeoutError if ``timeout`` seconds pass first.
         """
         if timeout is not None:
-            check_timeout(timeout)
+            timeout = check_timeout(timeout)
         if self._state < CANCELLED and not self._block(timeout):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         return self.value()
@@ -232,21 +245,45 @@ class Future(Generic[T]):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         if self._state == CANCELLED:
             raise CancelledError(f"{self!r} was cancelled before its task started")
+        return self._retrieve()
+
+    def _retrieve(self) -> BaseException | None:
+        """The exception, which now counts as seen: it is not logged at collection."""
+        unretrieved = self._unretrieved
+        if unretrieved is not None:
+            self._unretrieved = None
+            unretrieved.exception = None
         return self._exception
 
     def _block(self, timeout: float | None) -> bool:
         """Wait until done or ``timeout`` passes; True if done."""
         if self._state >= CANCELLED:
             return True
+        if _loop.running_async_library() is not None:
+            _warn_blocking_loop(self)
         task = self._task
-        if timeout is None and task is not None and task.stealable and self._state == PENDING:
-            task.run()  # does nothing unless it wins the claim
-            if self._state >= CANCELLED:
-                return True
+        if task is not None:
+            if timeout is None and self._state == PENDING and task.stealable:
+                local = _local.__dict__
+                steals = local.get("steals", 0)
+                # A deep stack blocks instead, and the pool compensates, so
+                # deep recursion through fork/wait never hits the recursion limit.
+                if steals < _max_steals():
+                    local["steals"] = steals + 1
+                    try:
+                        task.run()  # does nothing unless it wins the claim
+                    finally:
+                        local["steals"] = steals
+                    if self._state >= CANCELLED:
+                        return True
+            if task.runs_on_this_thread():
+                raise RuntimeError(
+                    f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
+                    f"wait() would block for ever; use 'await fut' inside the loop instead"
+                )
         _drain_deferred_callbacks()  # they may be what settles this future
         if self._state >= CANCELLED:
             return True
-        _warn_if_blocking_loop()
         waiter = threading.Lock()
         waiter.acquire()
         with self._lock:
@@ -256,29 +293,30 @@ class Future(Generic[T]):
                 self._waiters = [waiter]
             else:
                 self._waiters.append(waiter)
-        worker = _local.__dict__.get("waiter")
-        if worker is not None:
-            worker.blocked()
+        owner = _local.__dict__.get("waiter")
         profiler = _trace.active
         started = time.perf_counter() if profiler is not None else 0.0
+        done = False
         try:
-            if worker is None or (timeout is not None and timeout <= _BLOCKED_LONG):
+            if owner is not None:
+                owner.blocked()
+            if owner is None or (timeout is not None and timeout <= _BLOCKED_LONG):
                 done = waiter.acquire(True, -1 if timeout is None else timeout)
             else:
                 done = waiter.acquire(True, _BLOCKED_LONG)
                 if not done:
-                    worker.blocked_long()
+                    owner.blocked_long()
                     rest = -1 if timeout is None else timeout - _BLOCKED_LONG
                     done = waiter.acquire(True, rest)
         finally:
-            if worker is not None:
-                worker.resumed()
+            if owner is not None:
+                owner.resumed()
             if profiler is not None:
                 profiler.on_blocked(time.perf_counter() - started, task)
-        if not done:
-            with self._lock:
-                if self._waiters is not None and waiter in self._waiters:
-                    self._waiters.remove(waiter)
+            if not done:  # timed out, or interrupted (Ctrl-C)
+                with self._lock:
+                    if self._waiters is not None and waiter in self._waiters:
+                        self._waiters.remove(waiter)
         return self._state >= CANCELLED
 
     # -- callbacks ---------------------------------------------------------
@@ -328,7 +366,16 @@ class Future(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         if self._state < CANCELLED:
             yield from _loop.wait_on_loop(self)
-        return self.value()
+        try:
+            return self.value()
+        except StopIteration as exc:
+            # Python turns a StopIteration that leaves a coroutine into a
+            # RuntimeError saying nothing (PEP 479): say what happened.
+            raise RuntimeError(
+                f"{self!r} failed with StopIteration, which 'await' cannot raise (PEP 479); "
+                f"catch it inside the task, or call fut.wait() outside a coroutine to get it "
+                f"as it is"
+            ) from exc
 
     def _until_done(self) -> _UntilDone:
         """An awaitable that waits for this future without raising its outcome."""
@@ -347,12 +394,21 @@ class _UntilDone:
 
 
 def check_timeout(timeout: float | None) -> float | None:
-    """``timeout`` itself if it is None or a number of seconds >= 0; else ValueError."""
-    if timeout is not None and not timeout >= 0:
+    """The timeout to wait with: None (for ever) for None, infinity or more
+    seconds than a lock can wait; else ``timeout`` itself if it is a number
+    >= 0. Anything else raises TypeError or ValueError."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"timeout must be None (wait for ever) or a number of seconds, "
+            f"got {type(timeout).__name__} {timeout!r}"
+        )
+    if not timeout >= 0:  # NaN too
         raise ValueError(
             f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}"
         )
-    return timeout
+    return None if timeout > threading.TIMEOUT_MAX or math.isinf(timeout) else timeout
 
 
 def _notify(fut: Future[Any], waiters: list[Any] | None, callbacks: list[Any] | None) -> None:
@@ -368,7 +424,10 @@ def _call_each(fut: Future[Any], callbacks: Any) -> None:
     for fn in callbacks:
         try:
             fn(fut)
-        except Exception:
+        except BaseException:
+            # Whatever a callback raises (SystemExit and KeyboardInterrupt
+            # too) is the callback's own failure: the thread that settled the
+            # future, a pool's worker say, goes on.
             _logger.exception("exception in a done-callback of %r", fut)
 
 
@@ -394,15 +453,58 @@ def _drain_deferred_callbacks() -> None:
         _call_each(*deferred.popleft())
 
 
-def _warn_if_blocking_loop() -> None:
-    global _warned_blocking_loop
-    if _warned_blocking_loop or _loop.running_async_library() is None:
-        return
-    _warned_blocking_loop = True
+_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
+
+
+def _warn_blocking_loop(fut: Future[Any]) -> None:
+    """Warn that this thread runs an event loop that a blocking wait stalls,
+    once per line of the caller's code (the warnings module's default)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
     warnings.warn(
-        "Future.wait() is blocking the thread of a running event loop, so nothing else on "
-        "that loop runs until the future is done; use 'await fut' instead "
-        "(this warning is shown once)",
+        f"a blocking wait on {fut!r} stalls the event loop running in this thread until the "
+        f"future is done (nothing else on the loop runs meanwhile); "
+        f"in a coroutine write 'await fut' (and 'async for' over aiopar.as_completed)",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=level,
     )
+
+
+def _max_steals() -> int:
+    """How many tasks a waiting thread may run nested in its own stack.
+
+    A stolen task adds about six frames; past this many, a waiter blocks
+    and lets the pool run the task, well clear of the recursion limit.
+    """
+    return sys.getrecursionlimit() // 12
+
+
+class _Unretrieved:
+    """Logs a failure that nobody read when its future is collected, as
+    asyncio's "exception was never retrieved" does."""
+
+    __slots__ = ("exception", "future_repr")
+
+    def __init__(self, fut: Future[Any], exception: BaseException) -> None:
+        self.exception: BaseException | None = exception
+        # Not repr(fut): the future is still being settled.
+        self.future_repr = f"<{type(fut).__name__} at {id(fut):#x}>"
+
+    def __del__(self) -> None:
+        exc = self.exception
+        if exc is not None:
+            _logger.error(
+                "%s failed and nobody retrieved its exception (wait(), value(), exception() "
+                "or await would have raised it):",
+                self.future_repr,
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
+
+
+def _after_fork_in_child() -> None:
+    # The forking thread's owner (a pool's worker, say) does not exist in the child.
+    _local.__dict__.pop("waiter", None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

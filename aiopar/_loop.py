@@ -10,7 +10,6 @@ loop run on a loop thread owned by aiopar (uvloop when it is installed).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import functools
 import os
@@ -22,9 +21,18 @@ from typing import Any
 
 import sniffio
 
+from . import _future, _trace
 from ._errors import CancelledError
 
-__all__ = ["owned_loop", "running_async_library", "start_coroutine", "wait_on_loop"]
+__all__ = [
+    "close_owned_loop",
+    "finish_owned_loop",
+    "owned_loop",
+    "owned_loop_running",
+    "running_async_library",
+    "start_coroutine",
+    "wait_on_loop",
+]
 
 
 class _Bridge:
@@ -34,12 +42,32 @@ class _Bridge:
     call :meth:`drain` soon; any thread may call it.
     """
 
-    __slots__ = ("_batch", "_lock", "wake")
+    __slots__ = ("_awaiting", "_batch", "_lock", "wake")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._batch: list[Callable[[], None]] = []
+        self._awaiting = 0  # aiopar futures awaited on this loop (only in a pool's thread)
         self.wake: Callable[[], Any]
+
+    # A loop that runs inside a pool's thread (``asyncio.run`` in a forked
+    # task) blocks that thread while it awaits forks, as a blocking wait
+    # would: the thread's owner is told, so the pool can run the forks.
+    def awaiting(self, owner: _future.Waiter | None) -> _future.Waiter | None:
+        """An await starts on this loop; ``owner`` is the loop thread's waiter.
+        Returns the owner to hand to :meth:`awaited`, or None if none is told."""
+        if owner is None:
+            return None
+        self._awaiting += 1  # only the loop's own thread counts
+        if self._awaiting == 1:
+            owner.blocked()
+            owner.blocked_long()  # nothing computes here meanwhile
+        return owner
+
+    def awaited(self, owner: _future.Waiter) -> None:
+        self._awaiting -= 1
+        if self._awaiting == 0:
+            owner.resumed()
 
     def post(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -151,12 +179,16 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
 
         bridge = _bridge(loop, _asyncio_bridge)
         fut.add_done_callback(lambda _: bridge.post(wake))
+        owner = bridge.awaiting(_future.get_waiter())
         try:
             yield from waiter
         except asyncio.CancelledError:
             if cancel:
                 fut.cancel()
             raise
+        finally:
+            if owner is not None:
+                bridge.awaited(owner)
         return
     if running_async_library() == "trio":
         yield from _wait_on_trio(fut, cancel).__await__()
@@ -198,12 +230,29 @@ class _OwnedLoop:
             import uvloop
 
             self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        except ImportError:
+        except (ImportError, RuntimeError):  # not installed; too late to import at exit
             self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="aiopar-loop", daemon=True
         )
         self.thread.start()
+
+    def running(self) -> list[_CoroutineFork]:
+        """The coroutine forks on this loop that have not finished."""
+        return list(_forks_of(self.loop).values())
+
+    def finish(self, *, cancel_pending: bool) -> None:
+        """Return once every coroutine fork on the loop has finished; with
+        ``cancel_pending``, those that have not started never do."""
+
+        async def drain() -> None:
+            while forks := _forks_of(self.loop):
+                if cancel_pending:
+                    for fork in list(forks.values()):
+                        fork.future.cancel()  # only if it has not started
+                await asyncio.wait(list(forks))
+
+        asyncio.run_coroutine_threadsafe(drain(), self.loop).result()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -220,18 +269,43 @@ def owned_loop() -> asyncio.AbstractEventLoop:
     with _owned_lock:
         if _owned is None:
             _owned = _OwnedLoop()
-            atexit.register(_owned.close)
         return _owned.loop
 
 
-# Event loops keep only weak references to tasks; these keep forked
-# coroutines alive until they finish.
-_running_tasks: set[Any] = set()
+def owned_loop_running() -> list[str]:
+    """Names of the coroutine forks still running on aiopar's own loop."""
+    owned = _owned
+    return [] if owned is None else [fork.name for fork in owned.running()]
 
 
-def _keep_until_done(task: asyncio.Task[Any]) -> None:
-    _running_tasks.add(task)
-    task.add_done_callback(_running_tasks.discard)
+def finish_owned_loop(*, cancel_pending: bool = False) -> None:
+    """Run the coroutine forks on aiopar's own loop to their end (at exit)."""
+    owned = _owned
+    if owned is not None and owned.thread.is_alive():
+        owned.finish(cancel_pending=cancel_pending)
+
+
+def close_owned_loop() -> None:
+    global _owned
+    with _owned_lock:
+        owned, _owned = _owned, None
+    if owned is not None:
+        owned.close()
+
+
+# Event loops keep only weak references to tasks, so each loop keeps its
+# coroutine forks alive until they finish: in a set stored on the loop, not
+# in one of ours, so a loop dropped unfinished takes them along, and each
+# then settles its future (see _CoroutineFork).
+_FORKS_ATTRIBUTE = "_aiopar_coroutine_forks"
+
+
+def _forks_of(loop: Any) -> dict[asyncio.Task[Any], _CoroutineFork]:
+    forks = getattr(loop, _FORKS_ATTRIBUTE, None)
+    if forks is None:
+        forks = {}
+        setattr(loop, _FORKS_ATTRIBUTE, forks)
+    return forks
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -239,6 +313,43 @@ def _is_cancellation(exc: BaseException) -> bool:
         return True
     trio = sys.modules.get("trio")
     return trio is not None and isinstance(exc, trio.Cancelled)
+
+
+class _CoroutineFork:
+    """What a coroutine fork's future knows of its run: where it runs, so a
+    blocking wait that could never end fails at once, and a run that ends
+    any other way than by finishing still settles the future."""
+
+    __slots__ = ("__weakref__", "future", "loop", "name", "thread_id")
+
+    stealable = False
+    record = None  # the profiler's record (coroutine forks have none)
+
+    def __init__(self, fut: Any, fn: Callable[..., Any], loop: Any, thread_id: int) -> None:
+        self.future = fut
+        self.name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        # Weakly: a future must not keep a dropped loop alive.
+        self.loop = None if loop is None else weakref.ref(loop)
+        self.thread_id = thread_id  # of the loop, when it started the coroutine
+
+    def runs_on_this_thread(self) -> bool:
+        if self.loop is None:  # trio's
+            return self.thread_id == threading.get_ident() and running_async_library() == "trio"
+        loop = self.loop()
+        if loop is None or loop.is_closed():
+            self.abandoned("was closed before it finished")
+            return False
+        return asyncio._get_running_loop() is loop
+
+    def abandoned(self, what_happened: str) -> None:
+        """The loop will never run the coroutine to its end: settle the future."""
+        fut = self.future
+        if fut is None or fut.done():
+            return
+        if not fut.cancel():  # it had started
+            fut._settle(
+                None, CancelledError(f"the event loop running this coroutine {what_happened}")
+            )
 
 
 def start_coroutine(
@@ -252,19 +363,28 @@ def start_coroutine(
 
     The caller's running loop (asyncio, uvloop or trio) is used when there is
     one, else the owned loop. ``fut`` is claimed when the coroutine starts, so
-    cancelling it before then means the coroutine never runs.
+    cancelling it before then means the coroutine never runs. Whatever
+    happens to the loop, ``fut`` settles: cancelled if the coroutine never
+    started, failed with CancelledError if it stopped before its end.
     """
+    profiler = _trace.active
+    record = None if profiler is None else profiler.on_fork_coroutine(fn)
 
     async def run() -> None:
         if not fut._claim():
             return
         try:
-            result = await fn(*args, **kwargs)
+            if record is None:
+                result = await fn(*args, **kwargs)
+            else:
+                result = await record.run_in_steps(fn, args, kwargs)
         except BaseException as exc:
-            if not _is_cancellation(exc):
+            if not _is_cancellation(exc) and not isinstance(exc, GeneratorExit):
                 fut._settle(None, exc)
                 return
-            error = CancelledError("the event loop running this coroutine cancelled it")
+            closed = isinstance(exc, GeneratorExit)
+            what = "was closed before it finished" if closed else "cancelled it"
+            error = CancelledError(f"the event loop running this coroutine {what}")
             error.__cause__ = exc
             fut._settle(None, error)
             raise  # a task must not swallow its own cancellation
@@ -272,13 +392,42 @@ def start_coroutine(
 
     library = running_async_library()
     if library == "asyncio":
-        _keep_until_done(asyncio.get_running_loop().create_task(run(), context=context))
+        loop = asyncio.get_running_loop()
+        fut._task = fork = _CoroutineFork(fut, fn, loop, threading.get_ident())
+        _start_asyncio(fork, run, context)
     elif library == "trio":
         import trio
 
+        fut._task = _CoroutineFork(fut, fn, None, threading.get_ident())
         trio.lowlevel.spawn_system_task(run, context=context)
     else:
         loop = owned_loop()
-        loop.call_soon_threadsafe(
-            lambda: _keep_until_done(loop.create_task(run(), context=context))
-        )
+        fut._task = fork = _CoroutineFork(fut, fn, loop, _owned.thread.ident)  # type: ignore[union-attr]
+        loop.call_soon_threadsafe(_start_asyncio, fork, run, context)
+
+
+def _start_asyncio(fork: _CoroutineFork, run: Callable[[], Any], context: Any) -> None:
+    loop = fork.loop()  # type: ignore[misc]
+    task = loop.create_task(run(), context=context)
+    forks = _forks_of(loop)
+    forks[task] = fork
+
+    def done(task: asyncio.Task[Any]) -> None:
+        del forks[task]
+        fork.abandoned("cancelled it")  # before its first step: its body never ran
+        fork.future._task = None
+
+    task.add_done_callback(done)
+    # Collected unfinished, with its loop dropped.
+    weakref.finalize(task, fork.abandoned, "was closed before it finished")
+
+
+def _after_fork_in_child() -> None:
+    # The owned loop's thread is gone in a child, and a bridge's eventfd
+    # would wake the parent's loop: both start afresh when next used.
+    global _owned, _bridges
+    _owned = None
+    _bridges = weakref.WeakKeyDictionary()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

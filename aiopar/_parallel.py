@@ -1,11 +1,12 @@
 """Intra-op parallelism for Python code: ``parallel_for`` and its helper threads.
 
-``parallel_for(begin, end, grain_size, fn)`` splits ``[begin, end)`` into at
-most :func:`aiopar.get_num_threads` chunks of at least ``grain_size`` and
-calls ``fn(b, e)`` once per chunk. The caller runs chunks too, alongside a
-small process-wide pool of helper threads, so it scales wherever ``fn``
-releases the GIL: numpy ufunc loops, BLAS calls, most of ``np.sort``. The
-pool starts lazily, one helper short of the largest thread count used.
+``parallel_for(begin, end, grain_size, fn)`` splits ``[begin, end)`` into
+chunks of at least ``grain_size``, a few per thread, and calls ``fn(b, e)``
+once per chunk. The caller runs chunks too, alongside a small process-wide
+pool of helper threads, each taking the next chunk when it finishes one, so
+it scales wherever ``fn`` releases the GIL (numpy ufunc loops, BLAS calls,
+most of ``np.sort``) and a thread that runs slow delays only its own share.
+The pool starts lazily, one helper short of the largest thread count used.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ import queue
 import threading
 from collections.abc import Callable
 
-from . import _config
+from ._budget import budget
 
 __all__ = ["in_parallel_region", "parallel_for"]
 
 # .active is true while this thread runs parallel_for chunks.
 _local = threading.local()
+
+# Chunks per thread: with one chunk each, a thread that runs slow (its core
+# shared with another process, its virtual CPU taken away for a while) makes
+# the whole call wait for its chunk; with several, the other threads take
+# over the chunks it has not reached, and the call ends at most one chunk
+# after the ideal. More would only add per-chunk cost.
+CHUNKS_PER_THREAD = 4
 
 
 def in_parallel_region() -> bool:
@@ -33,7 +41,7 @@ def _index(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"parallel_for(): {what} must be an integer, got bool {value!r}")
     try:
-        return operator.index(value)  # int, numpy integers
+        return operator.index(value)  # type: ignore[arg-type]  # int, numpy integers
     except TypeError:
         raise TypeError(
             f"parallel_for(): {what} must be an integer, got {type(value).__name__} {value!r:.40}"
@@ -48,9 +56,15 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
     * the chunks are disjoint, cover the range exactly, and each has at least
       ``grain_size`` elements (one chunk, the whole range, if the range is
       smaller); an empty range (``begin == end``) calls nothing;
-    * at most :func:`aiopar.get_num_threads` chunks, run by the caller and
-      helper threads; inside a chunk, :func:`in_parallel_region` is true and
-      a nested ``parallel_for`` runs serially in that thread;
+    * at most :func:`aiopar.get_num_threads` threads run chunks: the caller
+      and helper threads. With one thread, ``fn(begin, end)`` is called once;
+      with more, the range is cut into up to ``CHUNKS_PER_THREAD`` (4) equal
+      chunks per thread, which the threads take in order as they finish the
+      one before, so a thread that runs slow delays only its own share. The
+      chunk bounds depend only on the arguments and the thread count, never
+      on timing;
+    * inside a chunk, :func:`in_parallel_region` is true and a nested
+      ``parallel_for`` runs serially in that thread;
     * while the chunks run they count against the thread budget, so BLAS
       called from ``fn`` does not oversubscribe the cores (unless
       :func:`aiopar.set_num_threads` fixed the count);
@@ -86,24 +100,25 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
     if getattr(_local, "active", False):
         fn(begin, end)  # nested: this thread is one of the outer call's threads already
         return
-    n_chunks = min(_config.get_num_threads(), size // grain_size) or 1
+    most_chunks = size // grain_size
+    n_threads = min(budget.target(), most_chunks) or 1
     _local.active = True
     try:
-        if n_chunks == 1:
+        if n_threads == 1:
             fn(begin, end)
             return
-        job = _Job(fn, _split(begin, size, n_chunks))
-        _config.budget.add_running(n_chunks)
+        job = _Job(fn, _split(begin, size, min(CHUNKS_PER_THREAD * n_threads, most_chunks)))
+        budget.add_running(n_threads)
         try:
-            _pool.submit(job, n_chunks - 1)
+            _pool.submit(job, n_threads - 1)
             job.work()
             job.finished.acquire()
         except BaseException as exc:  # e.g. KeyboardInterrupt while waiting
             job.fail(exc)
             raise
         finally:
-            _config.budget.add_running(-n_chunks)
-            _config.budget.apply_here()
+            budget.add_running(-n_threads)
+            budget.apply_here()
     finally:
         _local.active = False
     if job.error is not None:
@@ -144,7 +159,7 @@ class _Job:
 
     def work(self) -> None:
         """Run unclaimed chunks until none is left."""
-        _config.budget.apply_here()  # OpenMP limits are per thread
+        budget.apply_here()  # OpenMP limits are per thread
         bounds = self.bounds
         while True:
             with self.lock:

@@ -2,7 +2,7 @@
 
 ``active`` is ``None`` unless a profiler is recording; every hook site checks
 that one attribute and does nothing else when it is ``None``, so tracing off
-costs one check per task. A recorder implements:
+costs one check per task (or coroutine fork). A recorder implements:
 
 ``on_fork(task) -> record | None``
     called in the forking thread; the returned record is stored on the task.
@@ -13,6 +13,11 @@ costs one check per task. A recorder implements:
     process) by a backend whose task ran in another process, once that
     worker reported when it ran the task; the times are read with
     :func:`clock` in the worker.
+``on_fork_coroutine(fn) -> record``
+    called in the forking thread when a coroutine function is forked onto an
+    event loop; the runner then awaits ``record.run_in_steps(fn, args,
+    kwargs)`` instead of ``fn(*args, **kwargs)``, which tells the record
+    when each step of the coroutine begins and ends.
 ``on_blocked(seconds, task)``
     called by a thread after it was blocked for that long in ``wait`` on the
     future of ``task`` (``None`` for a future no task settles).

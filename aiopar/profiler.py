@@ -13,8 +13,12 @@ What a profile records and guarantees:
   the worker that ran it (thread, or worker process), when it was forked,
   started and ended, the task that forked it (the task running in the
   forking thread at that moment, or none), and how long its thread was
-  blocked in ``wait``. Coroutine functions forked onto an event loop are
-  not backend tasks and are not recorded.
+  blocked in ``wait``.
+- **Every coroutine fork** too (a coroutine function forked onto the
+  caller's event loop or aiopar's own loop thread): its record runs from its
+  first step to its completion on the loop's thread, with each step (the
+  stretch it ran between two awaits) in ``steps``; on the timeline the steps
+  are slices on the loop thread's row and its awaits the gaps between them.
 - **Process-wide.** An open profile sees forks from every thread of the
   process, not only the one that opened it, because forked work hops
   threads. Tasks that run in worker processes report their own start and
@@ -27,7 +31,8 @@ What a profile records and guarantees:
   a task still unfinished when you export is left out of the trace and
   counted as unfinished in the table. Wait for your futures inside the block.
 - **Off, it costs one attribute check per task** (and per blocking wait).
-  On, a few microseconds per task.
+  On, a few microseconds per task, and about half a microsecond per step of
+  a recorded coroutine.
 
 Times are nanoseconds of :func:`time.perf_counter_ns`, a system-wide clock
 (CLOCK_MONOTONIC on Linux), so worker processes on the same machine share it.
@@ -35,16 +40,20 @@ Times are nanoseconds of :func:`time.perf_counter_ns`, a system-wide clock
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import io
 import itertools
 import json
 import os
 import threading
-from collections.abc import Iterable
+import types
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
+
+import sniffio
 
 from . import _trace
 
@@ -73,6 +82,14 @@ def _this_worker() -> Worker:
     return worker
 
 
+def _loop_library() -> str:
+    """The kind of event loop running in this thread: asyncio, uvloop or trio."""
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+    return sniffio.thread_local.name or "event loop"
+
+
 def _forget_threads_in_child() -> None:
     global _local
     _local = threading.local()
@@ -83,10 +100,17 @@ if hasattr(os, "register_at_fork"):
 
 
 class TaskRecord:
-    """What one forked task did. Times are ``perf_counter_ns`` values; ``None`` until known."""
+    """What one forked task did. Times are ``perf_counter_ns`` values; ``None`` until known.
+
+    For a coroutine fork, ``backend`` is the kind of event loop that ran it
+    (``"asyncio"``, ``"uvloop"`` or ``"trio"``), ``worker`` the loop's thread,
+    ``start_ns`` and ``end_ns`` its first step's start and last step's end,
+    and :attr:`steps` the stretches it ran between awaits.
+    """
 
     __slots__ = (
         "_outer",
+        "_steps",
         "backend",
         "blocked_ns",
         "end_ns",
@@ -116,6 +140,8 @@ class TaskRecord:
         #: time the running task spent blocked in ``wait``
         self.blocked_ns: int = 0
         self._outer: TaskRecord | None = None
+        # A coroutine's step times, start and end alternating; None for a task.
+        self._steps: list[int] | None = None
 
     # -- the hooks (see aiopar._trace) ---------------------------------------
 
@@ -143,7 +169,54 @@ class TaskRecord:
         self.start_ns = start_ns
         self.end_ns = end_ns
 
+    def run_in_steps(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``await fn(*args, **kwargs)``, timing each step of it for this record."""
+        return _run_in_steps(self, fn, args, kwargs)
+
+    def _resume(self) -> None:
+        """A step of the coroutine begins in this thread."""
+        now = clock()
+        if self.start_ns is None:
+            self.start_ns = now
+            self.worker = _this_worker()
+            self.backend = _loop_library()
+        local = _local
+        self._outer = getattr(local, "record", None)
+        local.record = self  # what it forks and waits for counts as its own
+        self._steps.append(now)  # type: ignore[union-attr]
+
+    def _suspend(self, *, last: bool = False) -> None:
+        """The step that began last ends; with ``last``, so does the coroutine."""
+        now = clock()
+        self._steps.append(now)  # type: ignore[union-attr]
+        _local.record = self._outer
+        self._outer = None
+        if last:
+            self.end_ns = now
+
     # -- derived ---------------------------------------------------------------
+
+    @property
+    def is_coroutine(self) -> bool:
+        """Whether this is a coroutine fork, run on an event loop."""
+        return self._steps is not None
+
+    @property
+    def steps(self) -> list[tuple[int, int]]:
+        """For a coroutine, ``(start_ns, end_ns)`` of each step it has run
+        (the stretches between its awaits), in order; empty for a task."""
+        times = self._steps or []
+        return list(zip(times[::2], times[1::2], strict=False))
+
+    @property
+    def awaiting_ns(self) -> int:
+        """For a finished coroutine, the time it was suspended at an ``await``
+        between its first step and its completion; 0 otherwise."""
+        if self._steps is None or self.duration_ns is None:
+            return 0
+        return self.duration_ns - sum(end - start for start, end in self.steps)
 
     @property
     def finished(self) -> bool:
@@ -164,6 +237,42 @@ class TaskRecord:
     def __repr__(self) -> str:
         state = "finished" if self.finished else "started" if self.start_ns else "not started"
         return f"<TaskRecord #{self.id} {self.name!r} on {self.backend!r} {state}>"
+
+
+@types.coroutine
+def _run_in_steps(
+    record: TaskRecord, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Generator[Any, Any, Any]:
+    """``await fn(*args, **kwargs)`` as ``yield from`` does it (PEP 380), with
+    the record told when each step of the awaitable begins and ends."""
+    record._resume()
+    try:
+        inner = fn(*args, **kwargs).__await__()
+        try:
+            yielded = next(inner)
+            while True:
+                record._suspend()
+                try:
+                    sent = yield yielded
+                except GeneratorExit:
+                    record._resume()
+                    close = getattr(inner, "close", None)
+                    if close is not None:
+                        close()
+                    raise
+                except BaseException as exc:
+                    record._resume()
+                    throw = getattr(inner, "throw", None)
+                    if throw is None:
+                        raise
+                    yielded = throw(exc)
+                else:
+                    record._resume()
+                    yielded = next(inner) if sent is None else inner.send(sent)
+        except StopIteration as stop:
+            return stop.value
+    finally:
+        record._suspend(last=True)
 
 
 class _Wait(NamedTuple):
@@ -193,7 +302,16 @@ class _Recorder:
                 _trace.active = None
 
     def on_fork(self, task: Any) -> TaskRecord:
-        record = TaskRecord(task.name, task.backend.name, getattr(_local, "record", None))
+        return self._add(TaskRecord(task.name, task.backend.name, getattr(_local, "record", None)))
+
+    def on_fork_coroutine(self, fn: Callable[..., Any]) -> TaskRecord:
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        # The loop's kind is known at its first step; until then, this.
+        record = TaskRecord(name, "event loop", getattr(_local, "record", None))
+        record._steps = []
+        return self._add(record)
+
+    def _add(self, record: TaskRecord) -> TaskRecord:
         for profile in self.profiles:
             profile._records.append(record)
         return record
@@ -230,6 +348,8 @@ class TaskStats:
     blocked: float
     #: forked but not finished (still queued or running, or cancelled)
     unfinished: int = 0
+    #: time these coroutines spent suspended at an ``await`` (0 for tasks)
+    awaiting: float = 0.0
 
 
 _SORT_KEYS = {
@@ -239,6 +359,7 @@ _SORT_KEYS = {
     "max": lambda s: -s.max,
     "queue": lambda s: -s.queue_mean,
     "blocked": lambda s: -s.blocked,
+    "awaiting": lambda s: -s.awaiting,
     "name": lambda s: s.name,
 }
 
@@ -287,7 +408,9 @@ class Profile:
         """Per task name: count, total, mean and max run time, queue delay, time blocked.
 
         ``sort_by`` is one of ``total``, ``count``, ``mean``, ``max``,
-        ``queue``, ``blocked`` (largest first) or ``name``.
+        ``queue``, ``blocked``, ``awaiting`` (largest first) or ``name``.
+        A coroutine's run time counts from its first step to its completion,
+        its awaits included; ``awaiting`` is the part spent suspended.
         """
         if sort_by not in _SORT_KEYS:
             raise ValueError(f"sort_by must be one of {', '.join(_SORT_KEYS)}, got {sort_by!r}")
@@ -301,20 +424,26 @@ class Profile:
         """The table of :meth:`stats` as a :class:`rich.table.Table`, for ``console.print``.
 
         "queue" is the mean time from fork to start, "blocked" the time the
-        tasks spent blocked in ``wait``.
+        tasks spent blocked in ``wait``, "awaiting" (shown when coroutines
+        were recorded) the time coroutines spent suspended at an ``await``.
         """
         from rich import box
         from rich.table import Table
 
         stats = self.stats(sort_by)
         shown = stats if row_limit is None else stats[:row_limit]
-        times = [(s.total, s.mean, s.max, s.queue_mean, s.queue_max, s.blocked) for s in shown]
+        headers = ["total", "mean", "max", "queue", "queue max", "blocked"]
+        times = [[s.total, s.mean, s.max, s.queue_mean, s.queue_max, s.blocked] for s in shown]
+        if any(s.awaiting for s in stats):
+            headers.append("awaiting")
+            for row, s in zip(times, shown, strict=True):
+                row.append(s.awaiting)
         unit, scale = _unit(max((max(t) for t in times), default=0.0))
         table = Table(title="aiopar profile", title_justify="left", box=box.SIMPLE_HEAD)
         table.add_column("task", no_wrap=True)
         table.add_column("backend", no_wrap=True)
         table.add_column("count", justify="right")
-        for header in ("total", "mean", "max", "queue", "queue max", "blocked"):
+        for header in headers:
             table.add_column(f"{header} ({unit})", justify="right")
         unfinished = any(s.unfinished for s in stats)
         if unfinished:
@@ -352,10 +481,12 @@ class Profile:
         """The Trace Event JSON object (as a dict) that :meth:`export_chrome_trace` writes.
 
         One row per worker thread or process: a complete ("X") event per
-        finished task, a "wait" event where a thread was blocked in ``wait``,
-        a flow arrow ("s" to "f") from each fork to the task's start, and
-        process and thread names. Timestamps are microseconds since the
-        profile opened.
+        finished task, one per step of a finished coroutine (on the row of
+        its event loop's thread, named for the loop; its awaits are the gaps
+        between its steps), a "wait" event where a thread was blocked in
+        ``wait``, a flow arrow ("s" to "f") from each fork to the task's
+        (first) start, and process and thread names. Timestamps are
+        microseconds since the profile opened.
         """
         records = [r for r in self._records if r.end_ns is not None and r.worker is not None]
         waits = list(self._waits)
@@ -363,21 +494,29 @@ class Profile:
         t0 = min([t0, *(r.fork_ns for r in records), *(w.start_ns for w in waits)])
         trace = _TraceBuilder(t0)
         for r in records:
-            trace.slice(
-                r.worker,  # type: ignore[arg-type]
-                r.name,
-                r.backend,
-                r.start_ns,  # type: ignore[arg-type]
-                r.end_ns,  # type: ignore[arg-type]
-                task=r.id,
-                backend=r.backend,
-                parent=None if r.parent is None else r.parent.id,
-                queue_delay_us=_us(r.start_ns - r.fork_ns),  # type: ignore[operator]
-                blocked_us=_us(r.blocked_ns),
-            )
+            worker, start, end = cast(Worker, r.worker), cast(int, r.start_ns), cast(int, r.end_ns)
+            args: dict[str, Any] = {
+                "task": r.id,
+                "backend": r.backend,
+                "parent": None if r.parent is None else r.parent.id,
+                "queue_delay_us": _us(start - r.fork_ns),
+                "blocked_us": _us(r.blocked_ns),
+            }
+            if not r.is_coroutine:
+                trace.slice(worker, r.name, r.backend, start, end, **args)
+                continue
+            trace.event_loop(worker, r.backend)
+            args["run_us"] = _us(end - start)
+            args["awaiting_us"] = _us(r.awaiting_ns)
+            steps = r.steps
+            for i, (step_start, step_end) in enumerate(steps, 1):
+                step = f"{i} of {len(steps)}"
+                trace.slice(worker, r.name, "coroutine", step_start, step_end, step=step, **args)
         for w in waits:
-            args = {} if w.awaited is None else {"waiting_for": f"#{w.awaited.id} {w.awaited.name}"}
-            trace.slice(w.worker, "wait", "wait", w.start_ns, w.end_ns, **args)
+            awaited = (
+                {} if w.awaited is None else {"waiting_for": f"#{w.awaited.id} {w.awaited.name}"}
+            )
+            trace.slice(w.worker, "wait", "wait", w.start_ns, w.end_ns, **awaited)
         # A flow's start binds to the slice around it on the forking thread.
         # Forks made outside any task get one "profile" slice per thread to
         # bind to, spanning everything on that row.
@@ -396,7 +535,7 @@ class Profile:
                 worker, "profile", "profile", begin, end, note="this thread, outside forked tasks"
             )
         return {
-            "traceEvents": trace.events + list(_metadata(trace.rows)),
+            "traceEvents": trace.events + list(_metadata(trace.row_names())),
             "displayTimeUnit": "ms",
             "otherData": {"generator": "aiopar.profiler", "clock": "time.perf_counter_ns"},
         }
@@ -422,6 +561,8 @@ class _TraceBuilder:
         self.events: list[dict[str, Any]] = []
         self.rows: dict[tuple[int, int], str] = {}
         self.spans: dict[tuple[int, int], list[int]] = {}
+        # the kinds of event loop that ran coroutine steps on a row
+        self.loops: dict[tuple[int, int], set[str]] = {}
 
     def _row(self, worker: Worker, *times: int) -> None:
         key = (worker.pid, worker.tid)
@@ -429,6 +570,16 @@ class _TraceBuilder:
         span = self.spans.setdefault(key, [min(times), max(times)])
         span[0] = min(span[0], *times)
         span[1] = max(span[1], *times)
+
+    def event_loop(self, worker: Worker, library: str) -> None:
+        """Name ``worker``'s row for the event loop that ran on it."""
+        self.loops.setdefault((worker.pid, worker.tid), set()).add(library)
+
+    def row_names(self) -> dict[tuple[int, int], str]:
+        names = dict(self.rows)
+        for key, libraries in self.loops.items():
+            names[key] = f"{names[key]} ({', '.join(sorted(libraries))} event loop)"
+        return names
 
     def span(self, worker: Worker) -> list[int]:
         return self.spans[(worker.pid, worker.tid)]
@@ -493,6 +644,7 @@ def _summarize(name: str, records: list[TaskRecord]) -> TaskStats:
         queue_max=max(queues, default=0.0),
         blocked=sum(r.blocked_ns for r in done) / 1e9,
         unfinished=len(records) - count,
+        awaiting=sum(r.awaiting_ns for r in done) / 1e9,
     )
 
 

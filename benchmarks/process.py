@@ -8,13 +8,20 @@ round (so they see the same machine load) and each gets its median:
 - a 100 MB float64 array as the argument (the result is a number);
 - a 100 MB array argument and a 100 MB array result (the task returns its
   argument, so only the transport is measured);
+- what travels in the pickle: an 80 MB ``bytes`` argument, and a 64 MB
+  ``bytes`` result;
+- arrays where a plain pickle keeps them in-band: a 100 MB array captured by
+  the function (a closure for aiopar and loky; ``functools.partial`` for
+  ProcessPoolExecutor, whose pickle cannot carry a closure), and a strided
+  (non-contiguous) 100 MB slice;
 - a plain 100 MB memcpy (``np.copyto`` into a warm buffer) as the anchor.
 
 Every pool has two workers and is warmed up before it is timed. The task
 functions are defined in this script (``__main__``), as in a user's script:
 aiopar sends them by value (cloudpickle), ProcessPoolExecutor by reference
 (its workers are forked from this process). loky's row is skipped when it is
-not installed.
+not installed. The last column is each contender's time over aiopar's (above
+1: aiopar is faster), or aiopar's time in memcpys of the same size.
 
 Run: ``python benchmarks/process.py [--rounds 5] [--small 2000]``
 """
@@ -22,6 +29,7 @@ Run: ``python benchmarks/process.py [--rounds 5] [--small 2000]``
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +53,10 @@ def first_item(a: np.ndarray) -> float:
 
 def echo(a: np.ndarray) -> np.ndarray:
     return a
+
+
+def make_bytes(n: int) -> bytes:
+    return b"x" * n
 
 
 def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
@@ -77,12 +89,19 @@ def sequential(submit: Callable[..., Any], n: int) -> Callable[[], None]:
     return run
 
 
-def one_call(submit: Callable[..., Any], fn: Callable[..., Any], arg: Any) -> Callable[[], None]:
+def one_call(submit: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Callable[[], None]:
     def run() -> None:
-        result = submit(fn, arg).result()
+        result = submit(fn, *args).result()
         del result
 
     return run
+
+
+def closure_over(array: np.ndarray) -> Callable[[], float]:
+    def first() -> float:
+        return float(array[0])
+
+    return first
 
 
 def main() -> None:
@@ -94,6 +113,8 @@ def main() -> None:
 
     array = np.random.default_rng(0).random(100 * MB // 8)  # 100 MB of float64
     target = np.empty_like(array)
+    strided = np.random.default_rng(1).random(200 * MB // 8)[::2]  # 100 MB, every other item
+    arg_bytes = b"y" * (80 * MB)
 
     pools: dict[str, Any] = {}
     pools["ProcessPoolExecutor"] = ProcessPoolExecutor(2)
@@ -121,8 +142,26 @@ def main() -> None:
         {name: sequential(submit, n // 2) for name, submit in small_submits.items()}, rounds
     ).items():
         rows.append(("small tasks, sequential", name, t / (n // 2)))
-    for row, fn in [("100 MB argument", first_item), ("100 MB argument + 100 MB result", echo)]:
-        runs = {name: one_call(submit, fn, array) for name, submit in submits.items()}
+    calls: list[tuple[str, dict[str, Callable[[], None]]]] = [
+        (row, {name: one_call(submit, fn, arg) for name, submit in submits.items()})
+        for row, fn, arg in [
+            ("100 MB argument", first_item, array),
+            ("100 MB argument + 100 MB result", echo, array),
+            ("80 MB bytes argument", len, arg_bytes),
+            ("64 MB bytes result", make_bytes, 64 * MB),
+            ("100 MB strided slice argument", first_item, strided),
+        ]
+    ]
+    captured = {
+        name: one_call(submit, closure_over(array))
+        for name, submit in submits.items()
+        if name != "ProcessPoolExecutor"
+    }
+    captured["ProcessPoolExecutor"] = one_call(
+        pools["ProcessPoolExecutor"].submit, functools.partial(first_item, array)
+    )
+    calls.append(("100 MB array the function captures", captured))
+    for row, runs in calls:
         for name, t in median_times(runs, rounds).items():
             rows.append((row, name, t))
     memcpy = median_times({"memcpy": lambda: np.copyto(target, array)}, rounds)["memcpy"]
@@ -132,8 +171,8 @@ def main() -> None:
     for pool in pools.values():
         pool.shutdown()
 
-    print(f"{'row':34} {'contender':22} {'per task':>12} {'aiopar speed-up':>16}")
-    print("-" * 87)
+    print(f"{'row':36} {'contender':22} {'per task':>12} {'aiopar speed-up':>16}")
+    print("-" * 89)
     ours = {row: t for row, name, t in rows if name == "aiopar"}
     for row, name, seconds in rows:
         per_task = f"{seconds * 1e6:9.1f} us" if seconds < 0.01 else f"{seconds * 1e3:9.1f} ms"
@@ -143,7 +182,7 @@ def main() -> None:
             ratio = f"{seconds / memcpy:9.1f} memcpy"
         else:
             ratio = ""
-        print(f"{row:34} {name:22} {per_task:>12} {ratio:>16}")
+        print(f"{row:36} {name:22} {per_task:>12} {ratio:>16}")
 
 
 if __name__ == "__main__":

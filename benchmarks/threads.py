@@ -9,7 +9,10 @@ configurations:
 * 8 interop workers x 2 BLAS threads (a naive executor: oversubscribed);
 * aiopar's default (forks on, nothing set: the thread budget decides);
 
-then ``parallel_for`` over a 50M-element ``np.tanh`` against plain numpy.
+then ``parallel_for`` over a 50M-element ``np.tanh`` against plain numpy, and
+``parallel_for`` with one of two threads three times slower than the other
+(chunks that sleep in proportion to their length) against the same work cut
+into fixed halves and against the serial sleep.
 Configurations alternate round by round so drift hits them alike; the table
 shows the median of the rounds.
 
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import numpy as np
 from threadpoolctl import threadpool_info
 
 import aiopar
-from aiopar._config import cores
+from aiopar._budget import cores
 
 
 def blas_threads() -> int:
@@ -124,6 +128,37 @@ def bench_parallel_for(n: int, rounds: int) -> None:
     print(f"  parallel_for speed-up: {speedup:.2f}x (target >= 1.7 on 2 cores)")
 
 
+def bench_slow_thread(serial: float, rounds: int) -> None:
+    """One thread 3x slower than the other: taking chunks as threads finish vs fixed halves."""
+    n = 1 << 12
+    caller = threading.get_ident()
+
+    def sleepy_chunk(b: int, e: int) -> None:
+        slowdown = 1 if threading.get_ident() == caller else 3
+        time.sleep(serial * (e - b) / n * slowdown)
+
+    runs = {
+        "serial sleep (anchor)": lambda: sleepy_chunk(0, n),
+        "fixed halves (grain n/2)": lambda: aiopar.parallel_for(0, n, n // 2, sleepy_chunk),
+        "parallel_for": lambda: aiopar.parallel_for(0, n, 1, sleepy_chunk),
+    }
+    aiopar.set_num_threads(2)  # two threads even where the budget would give one
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    aiopar.set_num_threads(None)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    anchor = medians["serial sleep (anchor)"]
+    print(f"\nparallel_for, 2 threads, the helper 3x slower (sleeps; {serial:g} s serial)")
+    print(f"  {'run':<36}{'time':>9}{'vs serial':>11}")
+    for name, t in medians.items():
+        print(f"  {name:<36}{t:>8.3f}s{t / anchor:>10.2f}x")
+    print("  ideal 0.75x (the fast thread does 3/4 of the range); fixed halves 1.50x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="quick sizes for development")
@@ -135,6 +170,7 @@ def main() -> None:
     size = (8, 20, 50, 256) if args.small else (8, 50, 50, 1024)
     bench_ensemble(size, args.rounds)
     bench_parallel_for(5_000_000 if args.small else 50_000_000, args.rounds)
+    bench_slow_thread(0.2 if args.small else 0.8, args.rounds)
 
 
 if __name__ == "__main__":

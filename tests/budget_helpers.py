@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from aiopar._config import budget
+from aiopar._budget import budget
 
 
 def once_alone(fn):

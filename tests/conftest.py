@@ -1,10 +1,13 @@
-"""Shared fixtures: every async test runs on asyncio, uvloop and trio."""
+"""Shared fixtures: every async test runs on asyncio, uvloop and trio; the
+thread budget is put back after the tests that change it."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+
+import aiopar
 
 ASYNC_BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),
@@ -28,3 +31,18 @@ def no_leaked_threads():
     for thread in leaked:
         thread.join(timeout=5)
     assert not [t for t in leaked if t.is_alive()], f"threads left running: {leaked}"
+
+
+@pytest.fixture
+def automatic_budget():
+    """The test starts from, and leaves, the automatic budget on all cores with
+    the default interop workers; whatever was set before comes back after."""
+    from aiopar._budget import budget, cores
+
+    explicit, source = budget.explicit, budget.explicit_from
+    interop = aiopar.get_num_interop_threads()
+    aiopar.set_num_threads(None)
+    aiopar.set_num_interop_threads(cores())
+    yield
+    aiopar.set_num_interop_threads(interop)
+    budget.set_explicit(explicit, source)

@@ -191,17 +191,53 @@ async def test_wrap_awaitable_on_running_loop():
     assert await aiopar.wrap(coro()) == "wrapped"
 
 
-async def test_blocking_wait_on_the_loop_thread_warns_once(monkeypatch):
-    from aiopar import _future
+BLOCKS_THE_LOOP = "stalls the event loop running in this thread"
 
-    monkeypatch.setattr(_future, "_warned_blocking_loop", False)
-    fut = aiopar.fork(time.sleep, 0.01)
-    time.sleep(0.005)  # let a worker start it, so wait() has to block
-    with pytest.warns(RuntimeWarning, match="blocking the thread of a running event loop"):
+
+def blocking_calls():
+    """Each way of blocking on a future from a coroutine, on its own line."""
+
+    def not_started():
+        aiopar.fork(time.sleep, 0.01).wait()  # the waiter runs the task itself
+
+    def running():
+        fut = aiopar.fork(time.sleep, 0.05)
+        time.sleep(0.01)  # a worker has started it
         fut.wait()
+
+    def result():
+        aiopar.fork(time.sleep, 0.01).result()
+
+    def sync_as_completed():
+        for _ in aiopar.as_completed([aiopar.fork(time.sleep, 0.01)]):
+            pass
+
+    return [not_started, running, result, sync_as_completed]
+
+
+@pytest.mark.parametrize("block", blocking_calls(), ids=lambda f: f.__name__)
+async def test_a_blocking_wait_on_the_loop_thread_warns_at_the_callers_line(block):
+    with pytest.warns(RuntimeWarning, match=BLOCKS_THE_LOOP) as caught:
+        block()
+    (warning,) = [w for w in caught if BLOCKS_THE_LOOP in str(w.message)]
+    assert warning.filename == __file__, "attributed to the line that blocks"
+    assert "await fut" in str(warning.message)
+
+
+async def test_the_blocking_warning_is_shown_once_per_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            aiopar.fork(time.sleep, 0.001).wait()
+    assert len([w for w in caught if BLOCKS_THE_LOOP in str(w.message)]) == 1
+
+
+async def test_waiting_on_a_done_future_on_the_loop_thread_does_not_warn():
+    fut = aiopar.fork(int, "1")
+    await fut
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        aiopar.fork(time.sleep, 0.01).wait()  # no second warning
+        assert fut.wait() == 1
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -213,20 +213,6 @@ def test_exit_runs_queued_work():
     assert sorted(proc.stdout.splitlines()) == [f"ran {i}" for i in range(6)]
 
 
-def test_exit_with_a_coroutine_pending_on_the_owned_loop():
-    proc = _run_script(
-        """
-        import asyncio, aiopar
-        async def forever():
-            await asyncio.sleep(3600)
-        aiopar.fork(forever)
-        print("bye", flush=True)
-        """
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "bye" in proc.stdout
-
-
 def test_lowering_the_interop_limit_stops_idle_workers_before_new_tasks_run():
     old = aiopar.get_num_interop_threads()
     backend = ThreadBackend()

@@ -15,7 +15,8 @@ T, B, C = 6, 3, 5
 FORK_VARIANTS = [(False, False), (False, True), (True, False), (True, True)]
 
 
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
+def uniform01(*shape: int, seed: int = 0) -> np.ndarray:
+    """Float32 samples of U[0, 1), reproducible by seed."""
     return np.random.default_rng(seed).random(shape, dtype=np.float32)
 
 
@@ -51,7 +52,7 @@ def test_models_get_different_weights_and_seeds_repeat() -> None:
 @pytest.mark.parametrize("fork", [False, True])
 def test_bidirectional_is_cat_of_forward_and_flipped_backward(fork) -> None:
     model = BidirectionalRecurrentLSTM(C, 4, fork=fork, seed=0)
-    x = rand(T, B, C)
+    x = uniform01(T, B, C)
     out_f, _ = model.cell_f(x)
     out_b, _ = model.cell_b(np.flip(x, 0))
     expected = np.concatenate([out_f, np.flip(out_b, 0)], axis=2)
@@ -62,20 +63,20 @@ def test_bidirectional_is_cat_of_forward_and_flipped_backward(fork) -> None:
 
 def test_bidirectional_accepts_unbatched_input() -> None:
     model = BidirectionalRecurrentLSTM(C, 4, fork=False, seed=0)
-    x = rand(T, C)
+    x = uniform01(T, C)
     np.testing.assert_array_equal(model(x), model(x[:, None])[:, 0])
 
 
 def test_bidirectional_checks_its_input() -> None:
     with pytest.raises(ValueError, match="last dimension is 2"):
-        BidirectionalRecurrentLSTM(C, 4)(rand(T, B, 2))
+        BidirectionalRecurrentLSTM(C, 4)(uniform01(T, B, 2))
     with pytest.raises(TypeError, match="floating-point"):
         BidirectionalRecurrentLSTM(C, 4)(np.ones((T, B, C), np.int64))
 
 
 def test_ensemble_is_the_sum_of_its_models() -> None:
     ens = LSTMEnsemble(3, C, 4, seed=1, fork_models=False, fork_directions=False)
-    x = rand(T, B, C)
+    x = uniform01(T, B, C)
     expected = np.stack([m(x) for m in ens.models]).sum(0)
     np.testing.assert_allclose(ens(x), expected, atol=1e-6)
 
@@ -84,7 +85,7 @@ def test_ensemble_is_the_sum_of_its_models() -> None:
 @pytest.mark.parametrize("backend", ["inline", "thread"])
 def test_forked_variants_give_identical_results(fork_models, fork_directions, backend) -> None:
     ens = LSTMEnsemble(3, C, 12, seed=2, fork_models=False, fork_directions=False)
-    x = rand(T, 11, C)
+    x = uniform01(T, 11, C)
     expected = ens(x)
     ens.fork_models, ens.fork_directions = fork_models, fork_directions
     with aiopar.use_backend(backend):
@@ -100,7 +101,7 @@ def test_fork_directions_property_sets_every_model() -> None:
 
 def test_forked_ensemble_runs_on_the_process_backend() -> None:
     ens = LSTMEnsemble(2, C, 4, seed=4, fork_models=False, fork_directions=False)
-    x = rand(T, B, C)
+    x = uniform01(T, B, C)
     expected = ens(x)
     ens.fork_models = ens.fork_directions = True
     with aiopar.use_backend("process"):
@@ -109,7 +110,7 @@ def test_forked_ensemble_runs_on_the_process_backend() -> None:
 
 def test_modules_pickle_without_their_caches() -> None:
     ens = LSTMEnsemble(2, C, 4, seed=5)
-    x = rand(T, B, C)
+    x = uniform01(T, B, C)
     y = ens(x)  # builds the packed-weight caches
     copy = pickle.loads(pickle.dumps(ens))
     assert copy.models[0].cell_f._packed is None
@@ -120,13 +121,13 @@ def test_modules_pickle_without_their_caches() -> None:
 def test_forked_errors_reach_the_caller() -> None:
     ens = LSTMEnsemble(2, C, 4, fork_models=True)
     with pytest.raises(ValueError, match="input_size=5"):
-        ens(rand(T, B, C + 1))
+        ens(uniform01(T, B, C + 1))
 
 
 @pytest.mark.anyio
 async def test_await_fork_of_the_ensemble(anyio_backend) -> None:
     ens = LSTMEnsemble(2, C, 8, seed=6, fork_models=False, fork_directions=False)
-    inputs = [rand(T, B, C, seed=s) for s in range(4)]
+    inputs = [uniform01(T, B, C, seed=s) for s in range(4)]
     expected = [ens(x) for x in inputs]
     ens.fork_models = ens.fork_directions = True
     results: dict[int, np.ndarray] = {}

@@ -12,7 +12,8 @@ from aiopar.nn import LSTM
 T, B, F, H = 5, 3, 4, 6
 
 
-def rand(*shape: int, seed: int = 0) -> np.ndarray:
+def standard_normal(*shape: int, seed: int = 0) -> np.ndarray:
+    """Float32 samples of N(0, 1), reproducible by seed."""
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
@@ -23,7 +24,7 @@ def rand(*shape: int, seed: int = 0) -> np.ndarray:
 def test_shapes_for_every_option(num_layers, bias, batch_first, bidirectional) -> None:
     lstm = LSTM(F, H, num_layers, bias, batch_first, bidirectional, seed=0)
     d = 2 if bidirectional else 1
-    x = rand(B, T, F) if batch_first else rand(T, B, F)
+    x = standard_normal(B, T, F) if batch_first else standard_normal(T, B, F)
     output, (h_n, c_n) = lstm(x)
     assert output.shape == ((B, T, d * H) if batch_first else (T, B, d * H))
     assert h_n.shape == c_n.shape == (d * num_layers, B, H)
@@ -31,7 +32,7 @@ def test_shapes_for_every_option(num_layers, bias, batch_first, bidirectional) -
     assert output.flags.c_contiguous
 
     # Unbatched input ignores batch_first, as in torch.
-    output, (h_n, c_n) = lstm(rand(T, F))
+    output, (h_n, c_n) = lstm(standard_normal(T, F))
     assert output.shape == (T, d * H)
     assert h_n.shape == c_n.shape == (d * num_layers, H)
 
@@ -115,8 +116,12 @@ def reference_lstm(lstm: LSTM, x: np.ndarray, h0=None, c0=None):
 def test_matches_textbook_formulas_for_any_batch(batch, with_state) -> None:
     # Batches above 8 are padded internally; the padding must not leak.
     lstm = LSTM(F, H, seed=1)
-    x = rand(T, batch, F)
-    h0, c0 = (rand(1, batch, H, seed=2), rand(1, batch, H, seed=3)) if with_state else (None, None)
+    x = standard_normal(T, batch, F)
+    h0, c0 = (
+        (standard_normal(1, batch, H, seed=2), standard_normal(1, batch, H, seed=3))
+        if with_state
+        else (None, None)
+    )
     if with_state:
         output, (h_n, c_n) = lstm(x, (h0, c0))
         ref_out, ref_h, ref_c = reference_lstm(lstm, x, h0[0], c0[0])
@@ -138,7 +143,7 @@ def test_reverse_direction_is_the_flipped_forward_pass() -> None:
             if k.endswith("_reverse")
         }
     )
-    x = rand(T, B, F)
+    x = standard_normal(T, B, F)
     output, (h_n, _) = lstm(x)
     out_b, (h_b, _) = single(x[::-1])
     np.testing.assert_allclose(output[:, :, H:], out_b[::-1], atol=1e-6)
@@ -147,7 +152,7 @@ def test_reverse_direction_is_the_flipped_forward_pass() -> None:
 
 def test_batch_first_is_a_transpose() -> None:
     a, b = LSTM(F, H, num_layers=2, seed=4), LSTM(F, H, num_layers=2, batch_first=True, seed=4)
-    x = rand(T, B, F)
+    x = standard_normal(T, B, F)
     out_a, (h_a, _c_a) = a(x)
     out_b, (h_b, _c_b) = b(np.ascontiguousarray(x.transpose(1, 0, 2)))
     np.testing.assert_allclose(out_b.transpose(1, 0, 2), out_a, atol=1e-6)
@@ -156,8 +161,8 @@ def test_batch_first_is_a_transpose() -> None:
 
 def test_unbatched_equals_batch_of_one() -> None:
     lstm = LSTM(F, H, num_layers=2, bidirectional=True, seed=5)
-    x = rand(T, F)
-    h0, c0 = rand(4, H, seed=1), rand(4, H, seed=2)
+    x = standard_normal(T, F)
+    h0, c0 = standard_normal(4, H, seed=1), standard_normal(4, H, seed=2)
     out, (h_n, _c_n) = lstm(x, (h0, c0))
     out1, (h1, _c1) = lstm(x[:, None], (h0[:, None], c0[:, None]))
     np.testing.assert_array_equal(out, out1[:, 0])
@@ -166,7 +171,7 @@ def test_unbatched_equals_batch_of_one() -> None:
 
 def test_empty_sequence_returns_the_initial_state() -> None:
     lstm = LSTM(F, H, seed=0)
-    h0, c0 = rand(1, B, H), rand(1, B, H, seed=1)
+    h0, c0 = standard_normal(1, B, H), standard_normal(1, B, H, seed=1)
     output, (h_n, c_n) = lstm(np.zeros((0, B, F), np.float32), (h0, c0))
     assert output.shape == (0, B, H)
     np.testing.assert_array_equal(h_n, h0)
@@ -175,8 +180,8 @@ def test_empty_sequence_returns_the_initial_state() -> None:
 
 def test_input_is_not_modified() -> None:
     lstm = LSTM(F, H, seed=0)
-    x = rand(T, B, F)
-    h0, c0 = rand(1, B, H), rand(1, B, H, seed=1)
+    x = standard_normal(T, B, F)
+    h0, c0 = standard_normal(1, B, H), standard_normal(1, B, H, seed=1)
     copies = [x.copy(), h0.copy(), c0.copy()]
     lstm(x, (h0, c0))
     for before, after in zip(copies, [x, h0, c0], strict=True):
@@ -186,7 +191,7 @@ def test_input_is_not_modified() -> None:
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_other_float_dtypes_are_cast_to_float32(dtype) -> None:
     lstm = LSTM(F, H, seed=0)
-    x = rand(T, B, F)
+    x = standard_normal(T, B, F)
     out, _ = lstm(x.astype(dtype))
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, lstm(x.astype(dtype).astype(np.float32))[0])
@@ -194,14 +199,14 @@ def test_other_float_dtypes_are_cast_to_float32(dtype) -> None:
 
 def test_strided_input_views_work() -> None:
     lstm = LSTM(F, H, seed=0)
-    x = rand(2 * T, B, 2 * F)
+    x = standard_normal(2 * T, B, 2 * F)
     view = x[::2, :, ::2]
     np.testing.assert_array_equal(lstm(view)[0], lstm(np.ascontiguousarray(view))[0])
 
 
 def test_nan_propagates() -> None:
     lstm = LSTM(F, H, seed=0)
-    x = rand(T, B, F)
+    x = standard_normal(T, B, F)
     x[2, 1, 0] = np.nan
     output, _ = lstm(x)
     assert not np.isnan(output[:2]).any()
@@ -245,11 +250,11 @@ def test_wrong_hx_shape_names_the_expected_shape() -> None:
     with pytest.raises(
         ValueError, match=rf"h_0 must have shape \(2, {B}, {H}\).*got \(1, {B}, {H}\)"
     ):
-        lstm(rand(T, B, F), (rand(1, B, H), rand(2, B, H)))
+        lstm(standard_normal(T, B, F), (standard_normal(1, B, H), standard_normal(2, B, H)))
     with pytest.raises(ValueError, match=rf"c_0 must have shape \(2, {H}\)"):
-        lstm(rand(T, F), (rand(2, H), rand(2, 1, H)))
+        lstm(standard_normal(T, F), (standard_normal(2, H), standard_normal(2, 1, H)))
     with pytest.raises(TypeError, match=r"tuple \(h_0, c_0\)"):
-        lstm(rand(T, B, F), rand(2, B, H))
+        lstm(standard_normal(T, B, F), standard_normal(2, B, H))
 
 
 @pytest.mark.parametrize(

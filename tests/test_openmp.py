@@ -11,18 +11,10 @@ from budget_helpers import once_alone
 from threadpoolctl import threadpool_info
 
 import aiopar
-from aiopar._config import budget, cores
+from aiopar._budget import budget, cores
 from aiopar.backends.openmp import OpenMPBackend
 
-pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture(autouse=True)
-def default_threads():
-    explicit, source = budget.explicit, budget.explicit_from
-    aiopar.set_num_threads(None)
-    yield
-    budget.set_explicit(explicit, source)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
 
 
 @pytest.fixture

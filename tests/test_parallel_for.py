@@ -11,7 +11,8 @@ import pytest
 from threadpoolctl import threadpool_info
 
 import aiopar
-from aiopar._config import budget, cores
+from aiopar._budget import budget, cores
+from aiopar._parallel import CHUNKS_PER_THREAD
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,7 +49,9 @@ def test_chunks_cover_the_range_once_and_respect_the_grain(begin, end, grain, th
     assert chunks[0][0] == begin and chunks[-1][1] == end
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks)), "contiguous"
     assert all(e - b >= grain for b, e in chunks)
-    assert len(chunks) == min(threads, (end - begin) // grain)
+    expected = 1 if threads == 1 else min(CHUNKS_PER_THREAD * threads, (end - begin) // grain)
+    assert len(chunks) == max(1, expected)
+    assert max(e - b for b, e in chunks) - min(e - b for b, e in chunks) <= 1, "equal chunks"
 
 
 def test_grain_larger_than_the_range_is_one_call():
@@ -99,7 +102,36 @@ def test_nested_call_runs_serially_in_the_chunk_thread():
 
     aiopar.parallel_for(0, 10, 1, outer)
     assert not aiopar.in_parallel_region()
-    assert sorted(inner) == [(0, 5, True), (5, 10, True)]
+    assert sorted(inner) == [(b, e, True) for b, e in chunks_of(0, 10, 1)]
+
+
+def test_a_slow_thread_delays_only_its_own_share():
+    # Every chunk sleeps in proportion to its length, three times longer in
+    # the helper thread than in the caller. Threads that take chunks as they
+    # finish end near 3/4 of the serial sleep (the caller does 3/4 of the
+    # range); one fixed half per thread would take 3/2 of it.
+    serial = 0.24
+    n = 64
+    caller = threading.get_ident()
+    done_by_caller = []
+
+    def fn(b: int, e: int) -> None:
+        slowdown = 1 if threading.get_ident() == caller else 3
+        time.sleep(serial * (e - b) / n * slowdown)
+        if slowdown == 1:
+            done_by_caller.append(e - b)
+
+    start = time.perf_counter()
+    aiopar.parallel_for(0, n, 1, fn)
+    elapsed = time.perf_counter() - start
+    assert elapsed < serial * 1.1, f"{elapsed / serial:.2f}x the serial sleep (ideal 0.75)"
+    assert sum(done_by_caller) > n // 2, "the fast thread took over chunks of the slow one"
+
+
+def test_grain_size_bounds_the_number_of_chunks():
+    # The grain wins over CHUNKS_PER_THREAD: a range of two grains is two chunks.
+    assert chunks_of(0, 200, 100) == [(0, 100), (100, 200)]
+    assert len(chunks_of(0, 1000, 1)) == CHUNKS_PER_THREAD * 2
 
 
 def test_the_first_exception_is_raised_after_every_chunk_stopped():

@@ -1,13 +1,20 @@
-"""The "process" backend: any callable, zero-copy numpy, crash-safe workers."""
+"""The "process" backend: any callable, zero-copy numpy, crash-safe workers.
+
+Whatever could hang (exit, shutdown, signals, fork) runs in a subprocess with
+a timeout, so a regression fails instead of stalling the suite.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import gc
+import logging
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +27,7 @@ import pytest
 
 import aiopar
 from aiopar import _trace
+from aiopar.backends import _process_wire as wire
 from aiopar.backends import process
 from aiopar.backends.process import ProcessBackend, RemoteError, RemoteTraceback
 
@@ -43,14 +51,20 @@ def _child_pids() -> set[int]:
     return children
 
 
+def _shared_memory() -> set[str]:
+    # Semaphores are left out: aiopar makes none, and other programs on the
+    # machine (multiprocessing's locks) come and go meanwhile.
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     """Every test leaves /dev/shm, the process table and the threads as it found them."""
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = _shared_memory()
     children_before = _child_pids()
     threads_before = set(threading.enumerate())
     yield
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert _shared_memory() - shm_before == set()
     assert not multiprocessing.active_children()
     deadline = time.monotonic() + 5
     while _child_pids() - children_before and time.monotonic() < deadline:
@@ -87,6 +101,40 @@ def own_pool():
     yield make
     for backend in backends:
         backend.shutdown(cancel_pending=True)
+
+
+def _eventually(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _script_env() -> dict[str, str]:
+    """The environment for a script that imports what this process does."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _run_script(tmp_path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_script_env(),
+        cwd=tmp_path,
+    )
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (its new parent may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 # -- helpers that run in workers ---------------------------------------------
@@ -359,13 +407,6 @@ def test_task_that_cannot_be_unpickled_in_the_worker(pool):
 # -- cancel and shutdown ---------------------------------------------------------
 
 
-def _until_running(fut):
-    deadline = time.monotonic() + 30
-    while not fut.running():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-
-
 def test_cancel_before_sent(own_pool):
     backend = own_pool(1, prefetch=0)
     running = backend.fork(sleep_then, 0.5, "first")
@@ -381,7 +422,7 @@ def test_cancel_before_sent(own_pool):
 def test_prefetched_task_is_no_longer_cancellable(own_pool):
     backend = own_pool(1, prefetch=1)
     running = backend.fork(sleep_then, 0.3, "first")
-    _until_running(running)
+    _eventually(running.running)
     prefetched = backend.fork(add, 1)
     queued = backend.fork(add, 2)
     assert not prefetched.cancel()
@@ -402,7 +443,7 @@ def test_shutdown_runs_what_was_queued(own_pool):
 def test_shutdown_cancel_pending(own_pool):
     backend = own_pool(1, prefetch=0)
     running = backend.fork(sleep_then, 0.3, "ran")
-    _until_running(running)
+    _eventually(running.running)
     queued = [backend.fork(add, i) for i in range(5)]
     backend.shutdown(wait=True, cancel_pending=True)
     assert running.value() == "ran"
@@ -424,20 +465,14 @@ def test_shutdown_of_an_unused_backend():
 
 
 def test_interpreter_exit_with_pending_work(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import time, aiopar
-            backend = aiopar.get_backend("process", max_workers=1)
-            futures = [backend.fork(time.sleep, 0.05) for _ in range(4)]
-            futures[-1].add_done_callback(lambda f: print("last done", flush=True))
-            """
-        )
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env
+    done = _run_script(
+        tmp_path,
+        """
+        import time, aiopar
+        backend = aiopar.get_backend("process", max_workers=1)
+        futures = [backend.fork(time.sleep, 0.05) for _ in range(4)]
+        futures[-1].add_done_callback(lambda f: print("last done", flush=True))
+        """,
     )
     assert done.returncode == 0, done.stderr
     assert "last done" in done.stdout
@@ -618,3 +653,452 @@ def test_big_values_without_buffers_take_the_socket(pool):
     assert pool.fork(list, words).wait() == words
     futures = [pool.fork(sorted, words[i::7]) for i in range(7)]
     assert [f.wait() for f in futures] == [sorted(words[i::7]) for i in range(7)]
+
+
+# -- callbacks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt, asyncio.CancelledError])
+def test_any_exception_from_a_callback_is_logged_and_the_pool_lives_on(own_pool, caplog, exc_type):
+    backend = own_pool(1)
+    fut = backend.fork(sleep_then, 0.2, "value")
+    ran = []
+
+    def callback(f):
+        ran.append(f.value())
+        raise exc_type("raised by a done-callback")
+
+    fut.add_done_callback(callback)  # before the task ends: it runs in the manager thread
+    with caplog.at_level(logging.ERROR, logger="aiopar"):
+        assert fut.wait(timeout=30) == "value"
+        _eventually(lambda: ran == ["value"] and exc_type.__name__ in caplog.text)
+    assert "done-callback" in caplog.text
+    assert not backend.closed
+    assert [backend.fork(add, i, 1).wait(timeout=30) for i in range(3)] == [1, 2, 3]
+
+
+# -- tasks that never return -----------------------------------------------------------
+
+
+def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import time
+        from aiopar.backends.process import ProcessBackend
+
+        backend = ProcessBackend(1, prefetch=1, grace=0.5)
+        stuck = backend.fork(time.sleep, 3600)
+        prefetched = backend.fork(abs, -1)  # sent to the stuck worker behind it
+        queued = backend.fork(abs, -2)
+        while not stuck.running():
+            time.sleep(0.01)
+        backend.shutdown(wait=True, cancel_pending=True)
+        print("stuck:", repr(stuck.exception()))
+        print("prefetched:", repr(prefetched.exception()))
+        print("queued cancelled:", queued.cancelled())
+        print("workers left:", len(backend._workers))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "stuck: BrokenWorkerError(" in out
+    assert "sleep() was terminated at shutdown" in out
+    assert "0.5 s after shutdown(cancel_pending=True)" in out
+    assert "prefetched: BrokenWorkerError(" in out and "never ran" in out
+    assert "queued cancelled: True" in out
+    assert "workers left: 0" in out
+    assert "terminating" in done.stderr  # logged, with what to change
+
+
+def test_a_stuck_worker_that_ignores_sigterm_is_killed(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import os, signal, time
+        from aiopar.backends.process import ProcessBackend
+
+        def stubborn():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            open("ignoring", "w").close()
+            time.sleep(3600)
+
+        backend = ProcessBackend(1, grace=0.2)
+        future = backend.fork(stubborn)
+        while not os.path.exists("ignoring"):
+            time.sleep(0.01)
+        backend.shutdown(cancel_pending=True)
+        print(repr(future.exception()))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "BrokenWorkerError(" in done.stdout and "stubborn() was terminated" in done.stdout
+
+
+def test_interpreter_exit_terminates_a_stuck_worker(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import time, aiopar
+
+        backend = aiopar.get_backend("process", max_workers=1, grace=0.5)
+        stuck = backend.fork(time.sleep, 3600)
+        stuck.add_done_callback(lambda f: print("stuck:", repr(f.exception()), flush=True))
+        finished = backend.fork(abs, -3)
+        while not stuck.running():
+            time.sleep(0.01)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stuck: BrokenWorkerError(" in done.stdout
+    assert "the interpreter is exiting and no task finished for 0.5 s" in done.stdout
+
+
+def test_exit_after_an_uncaught_keyboard_interrupt_cancels_the_queue(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import time, aiopar
+
+        backend = aiopar.get_backend("process", max_workers=1, prefetch=0, grace=0.5)
+        assert backend.fork(abs, -1).wait() == 1
+        stuck = backend.fork(time.sleep, 3600)  # starts at once on the idle worker
+        stuck.add_done_callback(lambda f: print("stuck:", repr(f.exception()), flush=True))
+        for i in range(3):
+            backend.fork(print, "ran", i).add_done_callback(
+                lambda f: print("cancelled:", f.cancelled(), flush=True)
+            )
+        raise KeyboardInterrupt
+        """,
+    )
+    assert done.returncode != 0  # the interrupt still ends the program
+    assert done.stdout.count("cancelled: True") == 3 and "ran 0" not in done.stdout
+    assert "0.5 s after an uncaught KeyboardInterrupt" in done.stdout
+
+
+def test_exit_still_runs_the_queue_while_tasks_finish(tmp_path):
+    # No task takes the grace period, so all of them run although together
+    # they take longer.
+    done = _run_script(
+        tmp_path,
+        """
+        import time, aiopar
+
+        backend = aiopar.get_backend("process", max_workers=1, grace=0.3)
+        futures = [backend.fork(time.sleep, 0.1) for _ in range(8)]
+        futures[-1].add_done_callback(lambda f: print("last:", f.exception(), flush=True))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "last: None" in done.stdout
+
+
+def test_workers_exit_when_the_parent_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time, aiopar
+
+            backend = aiopar.get_backend("process", max_workers=2, prefetch=0)
+            aiopar.wait_all([backend.fork(time.sleep, 0.3) for _ in range(2)])
+            stuck = backend.fork(time.sleep, 3600)  # one worker busy, the other idle
+            while not stuck.running():
+                time.sleep(0.01)
+            print(*[w.pid for w in backend._workers], flush=True)
+            time.sleep(3600)
+            """
+        )
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_script_env()
+    )
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10  # a second is the promise; the machine is shared
+        while not all(_exited(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [pid for pid in pids if not _exited(pid)] == []
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        for pid in pids:
+            if not _exited(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# -- os.fork() ---------------------------------------------------------------------------
+
+
+def test_a_forked_child_gets_a_fresh_pool(tmp_path):
+    done = _run_script(
+        tmp_path,
+        """
+        import multiprocessing, os, time, traceback
+        import numpy as np
+        import aiopar
+
+        backend = aiopar.get_backend("process", max_workers=2)
+        parent_workers = set(aiopar.wait_all([backend.fork(os.getpid) for _ in range(4)]))
+        inherited = {os.fstat(w.channel.fileno()).st_ino for w in backend._workers}
+
+        def open_sockets():
+            inodes = set()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    link = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+            return inodes
+
+        def child():
+            # The parent's worker sockets are closed here, so its workers
+            # see it shut them down.
+            assert not open_sockets() & inherited, "a worker socket of the parent is open"
+            # A task pending at the fork is the parent's: it fails here.
+            error = pending.exception(timeout=10)
+            assert isinstance(error, aiopar.BrokenWorkerError), error
+            assert "os.fork" in str(error)
+            pool = aiopar.get_backend("process", max_workers=2)
+            assert aiopar.wait_all([pool.fork(pow, 2, i) for i in range(8)]) == [
+                2**i for i in range(8)
+            ]
+            pids = set(aiopar.wait_all([pool.fork(os.getpid) for _ in range(4)]))
+            assert not pids & parent_workers and os.getpid() not in pids
+            big = np.arange(1_000_000.0)  # through shared memory
+            assert (pool.fork(np.negative, big).wait() == -big).all()
+            pool.shutdown()
+
+        def run_child():
+            try:
+                child()
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+
+        pending = backend.fork(time.sleep, 2)
+        pid = os.fork()
+        if pid == 0:
+            run_child()
+            os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "os.fork child failed"
+        assert pending.wait(timeout=30) is None  # the parent's copy is unharmed
+
+        pending = backend.fork(time.sleep, 2)
+        process = multiprocessing.get_context("fork").Process(target=run_child)
+        process.start()
+        process.join(60)
+        assert process.exitcode == 0, f"multiprocessing child: exit code {process.exitcode}"
+        assert pending.wait(timeout=30) is None
+
+        assert backend.fork(abs, -5).wait() == 5
+        backend.shutdown()
+        print("ok")
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+# -- import paths ------------------------------------------------------------------------
+
+
+def test_a_shadowing_module_in_the_working_directory_never_runs_in_a_worker(
+    own_pool, tmp_path, monkeypatch
+):
+    (tmp_path / "json.py").write_text(
+        "import pathlib\npathlib.Path('shadow-ran').touch()\nraise ImportError('json.py ran')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    backend = own_pool(1)
+    assert backend.fork(abs, -2).wait(timeout=30) == 2
+    assert not (tmp_path / "shadow-ran").exists()
+
+
+def test_a_path_added_after_the_workers_started_reaches_them(pool, tmp_path, monkeypatch):
+    assert pool.fork(add, 1).wait() == 1  # the workers run with the old path
+    name = "aiopar_late_path_module"
+    (tmp_path / f"{name}.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__(name)
+    try:
+        assert pool.fork(module.triple, 5).wait(timeout=30) == 15
+        assert pool.fork(module.triple, 6).wait(timeout=30) == 18  # sent once, kept
+    finally:
+        del sys.modules[name]
+
+
+# -- payloads -----------------------------------------------------------------------------
+
+
+class Holder:
+    def __init__(self, array):
+        self.array = array
+
+
+def in_place(a):
+    a[:] = 0
+
+
+def fill(n, value):
+    return np.full(n, value)[::2]  # a strided result
+
+
+def test_every_kind_of_payload_round_trips(pool):
+    mib = 1 << 20
+    blob = os.urandom(8 * mib)
+    assert pool.fork(bytes, blob).wait() == blob  # bytes argument and result
+    text = "na\u00efve " * mib
+    assert pool.fork(str.upper, text).wait() == text.upper()
+    numbers = list(range(500_000))
+    assert pool.fork(list, numbers).wait() == numbers
+    base = np.arange(4_000_000, dtype=np.float64)
+    captured = base[:1_000_000] * 2
+
+    def closure():
+        return captured.sum()
+
+    assert pool.fork(closure).wait() == captured.sum()
+    strided = base[::3]
+    np.testing.assert_array_equal(pool.fork(np.negative, strided).wait(), -strided)
+    grid = base.reshape(2000, 2000)[::2, 1::3]  # strided both ways
+    np.testing.assert_array_equal(pool.fork(np.negative, grid).wait(), -grid)
+    # A closure among the arguments: pickled a second time, by cloudpickle.
+    assert pool.fork(lambda f, x: f() + x.sum(), lambda: 1, grid).wait() == 1 + grid.sum()
+    fortran = np.asfortranarray(base.reshape(2000, 2000))
+    out = pool.fork(np.copy, fortran, order="F").wait()
+    np.testing.assert_array_equal(out, fortran)
+    assert out.flags.f_contiguous
+    np.testing.assert_array_equal(pool.fork(fill, 400_000, 7.0).wait(), np.full(200_000, 7.0))
+    nested = {"a": [Holder(base[1::2])]}
+    assert pool.fork(lambda d: d["a"][0].array.sum(), nested).wait() == base[1::2].sum()
+
+
+def test_a_worker_changes_its_own_copy_of_an_array(pool):
+    a = np.ones(100_000)
+    pool.fork(in_place, a).wait()
+    assert (a == 1).all()
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["argument", "strided", "fortran", "closure", "global", "object", "nested", "result"],
+)
+def test_arrays_anywhere_leave_the_pickle(where):
+    segments = wire.SegmentPool()
+    a = np.arange(1_000_000, dtype=np.float64)  # 8 MB
+    shared = {"__name__": "__main__"}
+    exec("def read_global():\n    return A.sum()\n", shared)
+    shared["A"] = a
+    calls = {
+        "argument": (np.sum, (a,)),
+        "strided": (np.sum, (np.arange(2_000_000.0)[::2],)),
+        "fortran": (np.sum, (np.asfortranarray(a.reshape(1000, 1000)),)),
+        "closure": (lambda: a.sum(), ()),
+        "global": (shared["read_global"], ()),
+        "object": (len, (Holder(a),)),
+        "nested": (len, ([{"k": (a,)}],)),
+    }
+    try:
+        if where == "result":
+            packed = wire.pack(np.arange(2_000_000.0)[::2], segments, by_value=False)
+        else:
+            fn, args = calls[where]
+            packed = wire.pack_call(fn, args, {}, segments)
+        assert len(packed.payload) < wire.LARGE_BUFFER
+        assert packed.segment is not None and sum(packed.lengths) >= a.nbytes
+        packed.discard()
+    finally:
+        segments.close()
+
+
+@pytest.fixture
+def channels():
+    """Two ends of a wire, and the segment pool they send from."""
+    left, right = socket.socketpair()
+    segments = wire.SegmentPool()
+    ends = [wire.Channel(sock, segments.release, lambda seg_id: None) for sock in (left, right)]
+    yield *ends, segments
+    for end in ends:
+        end.close()
+    segments.close()
+
+
+def _send_in_a_thread(channel, messages):
+    """Send (kind, id, packed) messages from another thread (a big one
+    blocks until the receiver reads it)."""
+    thread = threading.Thread(target=lambda: [channel.send(*m) for m in messages])
+    thread.start()
+    return thread
+
+
+def test_a_big_pickle_on_the_socket_is_read_into_one_buffer(channels, monkeypatch):
+    """Received into one buffer of its size, allocated once, and unpickled
+    from it: no buffer per read (where there is no shared memory)."""
+    sender, receiver, segments = channels
+    allocations = []
+    real_bytearray = bytearray
+
+    def counting_bytearray(*args):
+        buf = real_bytearray(*args)
+        if len(buf) >= 1 << 20:
+            allocations.append(buf)
+        return buf
+
+    monkeypatch.setattr(wire, "bytearray", counting_bytearray, raising=False)
+    monkeypatch.setattr(wire, "LARGE_PICKLE", 1 << 40)  # every pickle on the socket
+    value = os.urandom(16 << 20)
+    small = wire.Packed(b"small", [], None, None)
+    big = wire.pack(value, segments)
+    assert big.segment is None
+    thread = _send_in_a_thread(
+        sender, [(wire.RESULT, 1, small), (wire.RESULT, 2, big), (wire.RESULT, 3, small)]
+    )
+    frames = [receiver.recv() for _ in range(3)]
+    thread.join()
+    assert [f.msg_id for f in frames] == [1, 2, 3]
+    assert frames[0].payload == frames[2].payload == b"small"
+    assert len(allocations) == 1 and frames[1].payload is allocations[0]
+    assert frames[1].loads() == value
+
+
+def test_a_big_pickle_travels_in_shared_memory(channels):
+    sender, receiver, segments = channels
+    array = np.arange(100_000.0)
+    value = [b"x" * (4 << 20), "y" * (2 << 20), array, list(range(1000))]
+    packed = wire.pack(value, segments)
+    assert packed.payload == b"" and packed.pickle_in_segment > 6 << 20
+    assert packed.lengths == [array.nbytes]  # the array's buffer first, then the pickle
+    thread = _send_in_a_thread(sender, [(wire.RESULT, 1, packed)])
+    frame = receiver.recv()
+    thread.join()
+    got = frame.loads()
+    assert got[:2] == value[:2] and got[3] == value[3]
+    np.testing.assert_array_equal(got[2], array)
+
+
+def test_shared_memory_goes_back_when_a_worker_dies_or_a_task_fails(own_pool):
+    backend = own_pool(1)
+    big = np.ones(2_000_000)
+    with pytest.raises(aiopar.BrokenWorkerError):
+        backend.fork(_die_holding, big).wait(timeout=30)
+    with pytest.raises(ValueError, match="on purpose"):
+        backend.fork(_fail_holding, big).wait(timeout=30)
+    assert backend.fork(np.sum, big).wait(timeout=30) == big.size
+    _eventually(lambda: not backend._segments._busy)
+
+
+def _die_holding(a):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fail_holding(a):
+    raise ValueError("failed on purpose")

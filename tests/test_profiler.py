@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
+import sys
 import threading
 import time
+import types
+from collections import defaultdict
 
+import anyio
 import pytest
 
 import aiopar
@@ -221,6 +226,17 @@ def check_trace_schema(trace: dict) -> None:
     for e in slices + flows:
         assert (e["pid"], e["tid"]) in named_threads, e
         assert e["pid"] in named_processes, e
+    # Slices of one row nest or follow each other: viewers drop the others.
+    rows = defaultdict(list)
+    for e in slices:
+        rows[e["pid"], e["tid"]].append(e)
+    for row in rows.values():
+        open_ends: list[float] = []
+        for e in sorted(row, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1], ("overlap", e)
+            open_ends.append(e["ts"] + e["dur"])
 
 
 def test_chrome_trace_schema_and_export(thread_backend, tmp_path):
@@ -291,3 +307,140 @@ def test_table_and_stats(thread_backend):
     assert prof.table(row_limit=1).count("leaf") + prof.table(row_limit=1).count("node") == 1
     with pytest.raises(ValueError, match="sort_by"):
         prof.stats("fastest")
+
+
+# -- coroutine forks ------------------------------------------------------------
+
+
+async def pause_twice(x: int) -> int:
+    """Two awaits of the event loop and one of a thread task in between."""
+    await anyio.sleep(0.02)
+    value = await aiopar.fork(leaf, x)
+    await anyio.sleep(0.02)
+    return value
+
+
+def check_coroutine_record(record, name: str = "pause_twice") -> None:
+    assert record.name == name and record.is_coroutine and record.finished
+    steps = record.steps
+    assert len(steps) >= 3, steps  # split by at least the two sleeps and the fork
+    assert steps[0][0] == record.start_ns and steps[-1][1] == record.end_ns
+    assert all(b <= e for b, e in steps)
+    assert all(e1 <= b2 for (_, e1), (b2, _) in itertools.pairwise(steps))
+    assert record.awaiting_ns >= 30_000_000, "the 40 ms of sleeps are awaits, not steps"
+    assert record.duration_ns == record.awaiting_ns + sum(e - b for b, e in steps)
+
+
+def coroutine_slices(trace: dict, record) -> list[dict]:
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e["ph"] == "X" and e["cat"] == "coroutine" and e["args"]["task"] == record.id
+    ]
+
+
+@pytest.mark.anyio
+async def test_records_a_coroutine_fork_on_the_callers_loop(anyio_backend):
+    library = "uvloop" if anyio_backend[1].get("use_uvloop") else anyio_backend[0]
+    with profile() as prof:
+        assert await aiopar.fork(pause_twice, 3) == 3
+    [record] = by_name(prof, "pause_twice")
+    check_coroutine_record(record)
+    assert record.backend == library
+    assert record.worker.tid == threading.get_native_id(), "ran on this loop's thread"
+    assert record.forker == record.worker and record.parent is None
+    [child] = by_name(prof, "leaf")
+    assert child.parent is record and child.forker == record.worker
+
+    trace = prof.chrome_trace()
+    check_trace_schema(trace)
+    slices = coroutine_slices(trace, record)
+    assert len(slices) == len(record.steps)
+    assert {(e["pid"], e["tid"]) for e in slices} == {(os.getpid(), record.worker.tid)}
+    [row] = [
+        e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["name"] == "thread_name" and e["tid"] == record.worker.tid
+    ]
+    assert f"{library} event loop" in row
+    stats = {s.name: s for s in prof.stats()}
+    assert stats["pause_twice"].awaiting >= 0.03
+    assert "awaiting" in prof.table()
+
+
+def test_records_coroutine_forks_on_aiopars_loop_and_their_parent_task(thread_backend):
+    def forks_a_coroutine() -> int:
+        return aiopar.fork(pause_twice, 5).wait()
+
+    with profile() as prof:
+        assert aiopar.fork(forks_a_coroutine).wait() == 5
+    [task] = by_name(
+        prof,
+        "test_records_coroutine_forks_on_aiopars_loop_and_their_parent_task."
+        "<locals>.forks_a_coroutine",
+    )
+    [record] = by_name(prof, "pause_twice")
+    check_coroutine_record(record)
+    assert record.worker.name == "aiopar-loop"
+    assert record.parent is task and record.forker == task.worker
+    trace = prof.chrome_trace()
+    check_trace_schema(trace)  # the fork's arrow leads from the task to the first step
+    [flow_end] = [e for e in trace["traceEvents"] if e["ph"] == "f" and e["id"] == record.id]
+    assert flow_end["tid"] == record.worker.tid
+
+
+@pytest.mark.anyio
+async def test_a_failing_coroutine_ends_its_record_and_leaves_the_thread_as_it_was():
+    async def fails() -> None:
+        await anyio.sleep(0)
+        raise ValueError("in the coroutine")
+
+    with profile() as prof:
+        with pytest.raises(ValueError, match="in the coroutine"):
+            await aiopar.fork(fails)
+        assert await aiopar.fork(leaf, 1) == 1
+    [record] = [r for r in prof.records if r.is_coroutine]
+    assert record.finished and len(record.steps) == 2
+    [after] = by_name(prof, "leaf")
+    assert after.parent is None, "the failed coroutine is no longer this thread's task"
+
+
+@pytest.mark.anyio
+async def test_off_a_coroutine_fork_is_awaited_as_it_is():
+    # No profile open: nothing stands between the runner and the coroutine.
+    async def caller_name() -> str:
+        return sys._getframe(1).f_code.co_name
+
+    assert await aiopar.fork(caller_name) == "run"
+    with profile():
+        assert await aiopar.fork(caller_name) == "_run_in_steps"
+
+
+@types.coroutine
+def suspend_once():
+    yield "suspended"
+
+
+@pytest.mark.parametrize("how", ["close", "throw"])
+def test_a_coroutine_closed_or_thrown_into_while_suspended(how):
+    # What a loop does to a task it cancels (throw) or drops unfinished (close).
+    left = []
+
+    async def suspends() -> None:
+        try:
+            await suspend_once()
+        finally:
+            left.append(sys.exc_info()[0])
+
+    with profile():
+        record = _trace.active.on_fork_coroutine(suspends)
+    steps = record.run_in_steps(suspends, (), {})
+    assert steps.send(None) == "suspended"
+    if how == "close":
+        steps.close()
+        assert left == [GeneratorExit]
+    else:
+        with pytest.raises(KeyError):
+            steps.throw(KeyError("thrown in"))
+        assert left == [KeyError]
+    assert record.finished and len(record.steps) == 2

@@ -14,9 +14,9 @@ from budget_helpers import once_alone
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
-from aiopar._config import budget, cores
+from aiopar._budget import budget, cores
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
 
 
 def blas_threads() -> list[int]:
@@ -26,18 +26,6 @@ def blas_threads() -> list[int]:
 
 def seen() -> tuple[int, list[int]]:
     return aiopar.get_num_threads(), blas_threads()
-
-
-@pytest.fixture(autouse=True)
-def default_threads():
-    """Each test starts from, and leaves, the automatic budget on all cores."""
-    explicit, source = budget.explicit, budget.explicit_from
-    aiopar.set_num_threads(None)
-    aiopar.set_num_interop_threads(cores())
-    yield
-    aiopar.set_num_interop_threads(cores())
-    aiopar.set_num_threads(None)
-    budget.set_explicit(explicit, source)
 
 
 def settle(timeout: float = 5.0) -> None:
@@ -64,6 +52,15 @@ def run_together(k: int, fn):
     return values
 
 
+def compute_beside_a_fork() -> None:
+    """Show the budget that this thread computes beside its forks rather
+    than waiting for them at once, so it counts from its next fork on."""
+    warm_up = aiopar.fork(time.sleep, 0.01)
+    time.sleep(0.005)
+    warm_up.wait()
+    settle()
+
+
 def test_idle_process_uses_every_core():
     assert blas_threads(), "numpy's BLAS should be visible to threadpoolctl"
     assert seen() == (cores(), [cores()] * len(blas_threads()))
@@ -85,6 +82,7 @@ def test_a_thread_that_computes_beside_its_fork_counts(when):
         started.set()
         release.wait(5)
 
+    compute_beside_a_fork()
     fut = aiopar.fork(task)
     try:
         if when == "once the task has started":
@@ -100,7 +98,7 @@ def test_a_thread_that_computes_beside_its_fork_counts(when):
 
 def test_a_fork_its_forker_runs_itself_has_every_core():
     for _ in range(20):  # whoever runs it, it runs alone
-        assert aiopar.fork(seen).wait() == (cores(), [cores()] * len(blas_threads()))
+        assert aiopar.fork(once_alone(seen)).wait() == (cores(), [cores()] * len(blas_threads()))
     settle()
 
 
@@ -122,7 +120,7 @@ def test_concurrent_tasks_share_the_cores(k):
 
 def test_a_task_that_waits_for_its_own_fork_counts_once():
     def outer():
-        return aiopar.fork(seen).wait()  # runs in this thread: still one task running
+        return aiopar.fork(once_alone(seen)).wait()  # runs in this thread: one task still
 
     assert aiopar.fork(outer).wait() == (cores(), [cores()] * len(blas_threads()))
 
@@ -169,6 +167,7 @@ def test_a_thread_that_computed_beside_its_fork_gives_its_cores_back_once_it_wai
             time.sleep(0.005)
         return first, blas_threads(), time.monotonic() - blocked_at
 
+    compute_beside_a_fork()
     fut = aiopar.fork(tail)
     time.sleep(long_wait + 0.1)  # this thread "computes" beside its fork
     first, last, waited = fut.wait()
@@ -263,12 +262,74 @@ def test_tasks_that_end_beside_a_running_one_do_not_flip_blas(monkeypatch):
     changes = []
     apply = budget._apply
     monkeypatch.setattr(budget, "_apply", lambda n: (changes.append(n), apply(n)))
-    budget.enter()  # a long task
+    budget.take()  # a long task
     try:
         for _ in range(1_000):
-            budget.enter()
-            budget.leave()
+            budget.take()
+            budget.give_back()
     finally:
-        budget.leave()
+        budget.give_back()
     assert changes == ([max(1, cores() // 2), cores()] if cores() > 1 else [])
     assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def count_blas_changes(monkeypatch) -> list[int]:
+    changes: list[int] = []
+    apply = budget._apply
+    monkeypatch.setattr(budget, "_apply", lambda n: (changes.append(n), apply(n)))
+    return changes
+
+
+def test_a_fork_its_forker_waits_for_at_once_changes_blas_at_most_twice_in_100(monkeypatch):
+    def work():
+        return sum(range(100))
+
+    aiopar.fork(work).wait()  # workers started
+    settle()
+    changes = count_blas_changes(monkeypatch)
+    for _ in range(100):
+        aiopar.fork(work).wait()
+    settle()
+    assert len(changes) <= 2, changes
+
+
+def test_a_fork_run_by_its_forker_changes_no_blas_setting(monkeypatch):
+    aiopar.fork(int).wait()
+    changes = count_blas_changes(monkeypatch)
+    backend = aiopar.get_backend("inline")
+    assert backend.fork(seen).wait() == (cores(), [cores()] * len(blas_threads()))
+    assert changes == []
+
+
+def test_a_callback_that_blocks_in_a_worker_after_its_task_leaves_the_budget_whole():
+    # A done-callback runs in the worker that settled the future, after its
+    # task has stopped counting: blocking there must not give back a share
+    # the worker no longer holds.
+    slow = aiopar.fork(time.sleep, 0.3)
+    quick = aiopar.fork(int, "1")
+    assert quick.then(lambda _: slow.wait()).wait(timeout=10) is None
+    settle()
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_openblas_setter_is_found_on_the_pinned_threadpoolctl():
+    # The budget calls OpenBLAS's own setter through threadpoolctl's private
+    # handle on the library; a threadpoolctl that moves it must fail here,
+    # loudly, not make the budget fall back silently.
+    import threadpoolctl
+
+    from aiopar._budget import process_wide_setter
+
+    controller = threadpoolctl.ThreadpoolController()
+    openblas = [lib for lib in controller.lib_controllers if lib.internal_api == "openblas"]
+    if not openblas:
+        pytest.skip("numpy here does not use OpenBLAS")
+    for lib in openblas:
+        assert hasattr(lib, "dynlib") and hasattr(type(lib), "check_symbols"), (
+            f"threadpoolctl {threadpoolctl.__version__} changed its OpenBLAS controller"
+        )
+        setter = process_wide_setter(lib)
+        assert setter is not lib.set_num_threads, "OpenBLAS's own setter was not found"
+        setter(1)
+        assert lib.num_threads == 1
+        setter(cores())

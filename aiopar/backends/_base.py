@@ -14,6 +14,9 @@ import atexit
 import contextvars
 import functools
 import inspect
+import os
+import sys
+import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -21,6 +24,8 @@ from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, TypeVar
 
 from .. import _loop, _trace
+from .._budget import check_count
+from .._errors import CancelledError
 from .._future import Future
 
 __all__ = ["Backend", "Task"]
@@ -62,6 +67,11 @@ class Task:
         """Whether a thread waiting on the future may run the task itself."""
         return self.backend.stealable
 
+    def runs_on_this_thread(self) -> bool:
+        """Whether only the calling thread could run the task, so waiting
+        for it here would never end (a coroutine on this thread's loop)."""
+        return False
+
     def run(self) -> None:
         """Run the call in this thread and settle the future, unless the task
         was cancelled or another thread claimed it first."""
@@ -102,7 +112,20 @@ class Task:
         # A finished future keeps no task, so no cycle that only the garbage
         # collector breaks holds on to its result.
         future._task = None
-        future._settle(*outcome)
+        result, exception = outcome
+        if exception is not None and type(exception) is KeyboardInterrupt and _is_main_thread():
+            # Ctrl-C landed while the main thread ran the task itself (a
+            # waiter's steal, or the inline backend): it is the user's
+            # interrupt, not the task's result.
+            error = CancelledError("interrupted by Ctrl-C while the main thread was running it")
+            error.__cause__ = exception
+            future._settle(None, error)
+            raise exception
+        future._settle(result, exception)
+
+
+def _is_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:
@@ -128,10 +151,7 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
 
 def check_max_workers(max_workers: object) -> None:
     """Refuse a worker count that is not None or a whole number >= 1."""
-    if max_workers is not None and (
-        not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1
-    ):
-        raise ValueError(f"max_workers must be a whole number >= 1 or None, got {max_workers!r}")
+    check_count(max_workers, "max_workers", none="the default")
 
 
 def raise_not_callable(fn: object, where: str) -> None:
@@ -215,6 +235,10 @@ class Backend(ABC):
     def max_workers(self) -> int:
         """How many tasks may run at once."""
 
+    def running_tasks(self) -> list[str]:
+        """Names of the tasks running now (for what interpreter exit waits for)."""
+        return []
+
     def __enter__(self) -> Backend:
         return self
 
@@ -230,5 +254,44 @@ _live_backends: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 @atexit.register
 def _shutdown_all() -> None:
-    for backend in list(_live_backends):
-        backend.shutdown(wait=True)
+    """At interpreter exit: run what was queued (coroutine forks on aiopar's
+    own loop too) and stop every worker, saying on stderr what exit waits
+    for once it has waited a second; Ctrl-C then exits at once. After an
+    uncaught KeyboardInterrupt, tasks that have not started never do."""
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    backends = list(_live_backends)
+    report = threading.Timer(1.0, _report_waiting, (backends,))
+    report.daemon = True
+    report.start()
+    try:
+        if interrupted:
+            for backend in backends:
+                backend.shutdown(wait=False, cancel_pending=True)
+        # Coroutine forks may wait for tasks, and tasks for coroutine forks:
+        # the loop runs until the pools have stopped.
+        _loop.finish_owned_loop(cancel_pending=interrupted)
+        for backend in backends:
+            backend.shutdown(wait=True, cancel_pending=interrupted)
+        _loop.finish_owned_loop(cancel_pending=interrupted)
+        _loop.close_owned_loop()
+    except KeyboardInterrupt:
+        sys.stderr.write("aiopar: interrupted again, exiting without waiting\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(130)
+    finally:
+        report.cancel()
+
+
+def _report_waiting(backends: list[Backend]) -> None:
+    running = [
+        f"{name} ({backend.name})" for backend in backends for name in backend.running_tasks()
+    ]
+    running += [f"{name} (coroutine)" for name in _loop.owned_loop_running()]
+    if running:
+        sys.stderr.write(
+            f"aiopar: waiting for {len(running)} running task"
+            f"{'s' if len(running) != 1 else ''} to finish before exit: "
+            f"{', '.join(running)}; press Ctrl-C again to exit now\n"
+        )
+        sys.stderr.flush()

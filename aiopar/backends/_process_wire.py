@@ -2,10 +2,17 @@
 Unix socket, with large buffers passed as shared-memory file descriptors.
 
 Values are pickled with protocol 5. Buffers of at least ``LARGE_BUFFER``
-bytes (numpy arrays, bytearrays, ...) leave the pickle stream: they are
+bytes (numpy arrays wherever they sit in the value: in lists, in objects,
+captured by a closure; bytearrays, ...) leave the pickle stream: they are
 copied once into a shared-memory segment (a ``memfd``) whose descriptor
 travels with the message (``SCM_RIGHTS``), and the receiver maps it and
-rebuilds the arrays on top of the mapping without copying again.
+rebuilds the arrays on top of the mapping without copying again. An array
+that is not contiguous (a strided slice) is copied into the segment
+contiguously, so it leaves the stream too. A pickle of ``LARGE_PICKLE``
+bytes or more (a big ``bytes``, ``str`` or list) rides in the segment as
+well, after the buffers, and the receiver unpickles it from the mapping; a
+smaller one travels on the socket, read into one buffer of its size. Either
+way a message costs time in proportion to its size.
 
 A segment has no name, so nothing can be left behind in ``/dev/shm``: the
 kernel frees it once the last descriptor and mapping are gone, even if
@@ -17,6 +24,7 @@ Without ``os.memfd_create`` (not Linux) every buffer stays in the pickle.
 
 from __future__ import annotations
 
+import copyreg
 import mmap
 import os
 import pickle
@@ -27,7 +35,7 @@ import threading
 import types
 import weakref
 from array import array
-from collections import deque
+from collections import ChainMap, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,6 +45,8 @@ __all__ = ["Channel", "Frame", "Packed", "SegmentPool", "load_call", "pack", "pa
 
 #: buffers at least this big travel in shared memory, smaller ones in the pickle
 LARGE_BUFFER = 64 * 1024
+#: a pickle at least this big travels in shared memory, a smaller one on the socket
+LARGE_PICKLE = 1024 * 1024
 #: free segment memory each process keeps for reuse before it gives memory back
 SEGMENT_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -44,11 +54,13 @@ _HAVE_MEMFD = hasattr(os, "memfd_create")
 _ALIGN = 64  # buffers start on cache-line boundaries inside a segment
 
 # kinds of frame
-TASK, RESULT, ERROR, READY, RELEASE = 1, 2, 3, 4, 5
+TASK, RESULT, ERROR, READY, RELEASE, PATH = 1, 2, 3, 4, 5, 6
 
-# kind, has segment, buffer count, released-id count, message id,
+# kind, segment flags, buffer count, released-id count, message id,
 # segment id, segment size, payload size, start and end times (ns)
 _HEADER = struct.Struct("<BBxxIIxxxxqQQQqq")
+# segment flags: there is a segment; the pickle is in it, after the buffers
+_HAS_SEGMENT, _PICKLE_IN_SEGMENT = 1, 2
 _ANC_SIZE = socket.CMSG_SPACE(16 * array("i").itemsize)
 _ZERO_COPY_MAP = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -85,34 +97,36 @@ class SegmentPool:
         self._cache_bytes = cache_bytes
         self._next_id = 1
 
-    def write(self, views: list[memoryview], size: int) -> Segment:
-        """A segment holding ``views`` back to back, each at an aligned offset."""
+    def write(self, placed: list[tuple[int, memoryview | Filler]], size: int) -> Segment:
+        """A segment of ``size`` bytes or more holding each view at its offset
+        (or, for a filler, whatever it writes into the memory from there)."""
         with self._lock:
             seg = self._take(size)
             self._busy[seg.id] = seg
         try:
-            if seg.size >= size:
-                # A reused segment: its pages exist, so a mapping kept from
-                # one use to the next makes the copy a plain memcpy.
-                if seg.mapping is None:
-                    seg.mapping = mmap.mmap(seg.fd, seg.size, flags=_ZERO_COPY_MAP)
-                offset = 0
-                for view in views:
-                    seg.mapping[offset : offset + view.nbytes] = view
-                    offset += _aligned(view.nbytes)
-                return seg
-            if seg.mapping is not None:
-                seg.mapping.close()
-                seg.mapping = None
-            os.ftruncate(seg.fd, size)
-            seg.size = size
-            offset = 0
-            for view in views:
-                # New pages: pwrite fills them without faulting each one in here.
-                written = os.pwrite(seg.fd, view, offset)
-                while written < view.nbytes:
-                    written += os.pwrite(seg.fd, view[written:], offset + written)
-                offset += _aligned(view.nbytes)
+            if seg.size < size:
+                if seg.mapping is not None:
+                    seg.mapping.close()
+                    seg.mapping = None
+                os.ftruncate(seg.fd, size)
+                seg.size = size
+                if all(type(part) is memoryview for _, part in placed):
+                    for offset, view in placed:
+                        # New pages: pwrite fills them without faulting each one in here.
+                        written = os.pwrite(seg.fd, view, offset)
+                        while written < view.nbytes:
+                            written += os.pwrite(seg.fd, view[written:], offset + written)
+                    return seg
+            # A reused segment's pages exist, so a mapping kept from one use
+            # to the next makes the copy a plain memcpy.
+            if seg.mapping is None:
+                seg.mapping = mmap.mmap(seg.fd, seg.size, flags=_ZERO_COPY_MAP)
+            with memoryview(seg.mapping) as whole:
+                for offset, part in placed:
+                    if type(part) is memoryview:
+                        whole[offset : offset + part.nbytes] = part
+                    else:
+                        part(whole[offset:])
         except BaseException:
             self.release(seg.id)
             raise
@@ -163,11 +177,21 @@ class SegmentPool:
         for seg in segs:
             seg.close()
 
+    def close_after_fork(self) -> None:
+        """In a child made by os.fork(): close this process's copies of the
+        descriptors, without the lock (a thread of the parent may hold it)."""
+        self._lock = threading.Lock()
+        self.close()
+
 
 class Packed:
-    """A pickled value ready to send: the pickle, plus a segment for big buffers."""
+    """A pickled value ready to send: the pickle, plus a segment for big buffers.
 
-    __slots__ = ("lengths", "payload", "pool", "segment")
+    ``lengths`` are the sizes of the buffers in the segment; a pickle of
+    ``pickle_in_segment`` bytes follows them there (then ``payload`` is empty).
+    """
+
+    __slots__ = ("lengths", "payload", "pickle_in_segment", "pool", "segment")
 
     def __init__(
         self,
@@ -175,11 +199,13 @@ class Packed:
         lengths: list[int],
         segment: Segment | None,
         pool: SegmentPool | None,
+        pickle_in_segment: int = 0,
     ) -> None:
         self.payload = payload
         self.lengths = lengths
         self.segment = segment
         self.pool = pool
+        self.pickle_in_segment = pickle_in_segment
 
     def discard(self) -> None:
         """Give the segment back: the value will never be sent."""
@@ -193,12 +219,101 @@ def _pickle_by_value_modules() -> bool:
     return bool(getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", True))
 
 
-def pack(obj: Any, pool: SegmentPool, *, by_value: bool = True, _mains: int = 0) -> Packed:
+#: writes an array into the segment memory it is given
+Filler = Callable[[memoryview], None]
+
+# pack()'s stand-ins for strided arrays, by id: (stand-in, the array)
+_packing = threading.local()
+
+
+def _contiguous_reduce(a: Any) -> Any:
+    # numpy writes an array that is neither C- nor Fortran-contiguous (a
+    # strided slice) into the pickle itself; a contiguous one leaves the
+    # stream like any other. A big one is copied once, straight into the
+    # segment: pickled meanwhile is an untouched stand-in (no page of it is
+    # ever faulted in).
+    if not (a.flags.c_contiguous or a.flags.f_contiguous) and not a.dtype.hasobject:
+        stand_ins = getattr(_packing, "stand_ins", None)
+        if stand_ins is not None and a.nbytes >= LARGE_BUFFER:
+            contiguous = sys.modules["numpy"].empty(a.shape, a.dtype)
+            stand_ins[id(contiguous)] = (contiguous, a)
+            a = contiguous
+        else:
+            a = a.copy()
+    return a.__reduce_ex__(5)
+
+
+def _filler(array: Any) -> Filler:
+    def fill(memory: memoryview) -> None:
+        numpy = sys.modules["numpy"]
+        numpy.copyto(numpy.ndarray(array.shape, array.dtype, buffer=memory), array)
+
+    return fill
+
+
+# (copyreg's table size, the plain and the cloudpickle Pickler)
+_picklers: tuple[int, type[pickle.Pickler], type[pickle.Pickler]] | None = None
+
+
+def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
+    """The plain and the cloudpickle Pickler, made to send every numpy array
+    out of band once numpy is imported (without importing it here)."""
+    global _picklers
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return pickle.Pickler, cloudpickle.Pickler
+    cached = _picklers
+    if cached is None or cached[0] != len(copyreg.dispatch_table):
+        ndarray = numpy.ndarray
+        # A plain dict (a ChainMap would cost a Python call per object
+        # pickled), rebuilt when a library registers a reducer.
+        plain_table = {**copyreg.dispatch_table, ndarray: _contiguous_reduce}
+        cloud_table = ChainMap({ndarray: _contiguous_reduce}, cloudpickle.Pickler.dispatch_table)
+        plain = type("Pickler", (pickle.Pickler,), {"dispatch_table": plain_table})
+        cloud = type("Pickler", (cloudpickle.Pickler,), {"dispatch_table": cloud_table})
+        cached = _picklers = (len(copyreg.dispatch_table), plain, cloud)
+    return cached[1], cached[2]
+
+
+class _Chunks(list):  # type: ignore[type-arg]
+    """What a Pickler writes, piece by piece: it hands a big ``bytes`` over
+    as the object itself, so pickling one copies nothing."""
+
+    def write(self, data: Any) -> None:
+        # A view of a mutable buffer (in-band only where there is no memfd)
+        # is copied: the caller may change it before the message is sent.
+        self.append(data if type(data) is bytes else bytes(data))
+
+
+def _dumps(
+    pickler: type[pickle.Pickler], obj: Any, buffer_callback: Callable[..., Any]
+) -> list[bytes]:
+    chunks = _Chunks()
+    pickler(chunks, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return chunks
+
+
+def _mentions_of_main(chunks: list[bytes]) -> int:
+    # A reference to __main__ is written by the pickler into one of its
+    # frames (64 KiB or so); a bigger chunk is a user's bytes or str, never
+    # scanned.
+    return sum(chunk.count(b"__main__") for chunk in chunks if len(chunk) < 256 * 1024)
+
+
+def pack(
+    obj: Any,
+    pool: SegmentPool,
+    *,
+    by_value: bool = True,
+    plain_first: bool = True,
+    _mains: int = 0,
+) -> Packed:
     """Pickle ``obj``, moving its large buffers into a segment from ``pool``.
 
     ``by_value`` makes what a fresh interpreter cannot import (lambdas,
     closures, functions and classes of ``__main__``) travel by value, as
     cloudpickle does; otherwise cloudpickle is only the fallback.
+    ``plain_first=False`` skips the plain pickler when it is known to fail.
     """
     large: list[memoryview] = []
 
@@ -209,26 +324,47 @@ def pack(obj: Any, pool: SegmentPool, *, by_value: bool = True, _mains: int = 0)
         large.append(view)
         return False
 
-    payload = None
-    if not by_value or not _pickle_by_value_modules():
-        # The C pickler is several times faster than cloudpickle; its output
-        # is the same unless something refers to __main__ (which a worker
-        # does not import) or cannot be pickled by reference at all.
-        try:
-            payload = pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
-        except Exception:
-            payload = None
-        if by_value and payload is not None and payload.count(b"__main__") > _mains:
-            payload = None
-    if payload is None:
-        large.clear()
-        payload = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
-    if not large:
-        return Packed(payload, [], None, None)
+    plain, cloud = _pickler_classes()
+    chunks = None
+    stand_ins: dict[int, tuple[Any, Any]] = {}
+    _packing.stand_ins = stand_ins if _HAVE_MEMFD else None
+    try:
+        if plain_first and (not by_value or not _pickle_by_value_modules()):
+            # The C pickler is several times faster than cloudpickle; its
+            # output is the same unless something refers to __main__ (which
+            # a worker does not import) or cannot be pickled by reference.
+            try:
+                chunks = _dumps(plain, obj, buffer_callback)
+            except Exception:
+                chunks = None
+            if by_value and chunks is not None and _mentions_of_main(chunks) > _mains:
+                chunks = None
+        if chunks is None:
+            large.clear()
+            stand_ins.clear()
+            chunks = _dumps(cloud, obj, buffer_callback)
+    finally:
+        _packing.stand_ins = None
+    pickle_size = sum(len(chunk) for chunk in chunks)
+    in_segment = pickle_size >= LARGE_PICKLE and _HAVE_MEMFD
+    if not large and not in_segment:
+        return Packed(chunks[0] if len(chunks) == 1 else b"".join(chunks), [], None, None)
+    placed: list[tuple[int, memoryview | Filler]] = []
+    offset = 0
+    for view in large:
+        stand_in = stand_ins.get(id(view.obj))
+        placed.append((offset, view if stand_in is None else _filler(stand_in[1])))
+        offset += _aligned(view.nbytes)
+    if in_segment:
+        for chunk in chunks:  # back to back: the receiver reads one pickle
+            placed.append((offset, memoryview(chunk)))
+            offset += len(chunk)
+        payload = b""
+    else:
+        payload = b"".join(chunks)
+    segment = pool.write(placed, offset)
     lengths = [view.nbytes for view in large]
-    size = sum(_aligned(n) for n in lengths)
-    segment = pool.write(large, size)
-    return Packed(payload, lengths, segment, pool)
+    return Packed(payload, lengths, segment, pool, pickle_size if in_segment else 0)
 
 
 # -- functions that travel by value ---------------------------------------------
@@ -294,18 +430,20 @@ def _fingerprint(value: Any, refs: list[Any], depth: int = 0) -> Any:
     return None if None in parts else tuple(parts)
 
 
-def _function_by_value(fn: Any) -> bytes:
-    """cloudpickle's bytes for ``fn``, reused while they would not change."""
-    cacheable = type(fn) is types.FunctionType and _extract_code_globals is not None
-    if cacheable:
-        entry = _by_value_cache.get(fn)
-        refs: list[Any] = []
-        fingerprint = _fingerprint(fn, refs)
-        if entry is not None and fingerprint is not None and entry[0] == fingerprint:
-            return entry[1]
+def _function_by_value(fn: Any) -> bytes | None:
+    """cloudpickle's bytes for ``fn``, reused while they would not change;
+    None when that cannot be told cheaply (it refers to a list, an array...)."""
+    if _extract_code_globals is None:
+        return None
+    refs: list[Any] = []
+    fingerprint = _fingerprint(fn, refs)
+    if fingerprint is None:
+        return None
+    entry = _by_value_cache.get(fn)
+    if entry is not None and entry[0] == fingerprint:
+        return entry[1]
     data = cloudpickle.dumps(fn, protocol=5)
-    if cacheable and fingerprint is not None:
-        _by_value_cache[fn] = (fingerprint, data, refs)
+    _by_value_cache[fn] = (fingerprint, data, refs)
     return data
 
 
@@ -315,6 +453,10 @@ def pack_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Segm
         module = fn.__module__
         if module == "__main__" or "<" in fn.__qualname__ or module not in sys.modules:
             data = _function_by_value(fn)
+            if data is None:
+                # Pickled with the call, so the arrays it refers to leave
+                # the pickle like the arguments' do.
+                return pack((fn, False, args, kwargs), pool, plain_first=False)
             # The function's own mentions of __main__ are fine: it travels by value.
             return pack((data, True, args, kwargs), pool, _mains=data.count(b"__main__"))
     return pack((fn, False, args, kwargs), pool)
@@ -345,7 +487,7 @@ class Frame:
         self,
         kind: int,
         msg_id: int,
-        payload: bytes,
+        payload: bytes | bytearray | memoryview,
         buffers: list[memoryview],
         t0: int,
         t1: int,
@@ -358,8 +500,13 @@ class Frame:
         self.t1 = t1
 
     def loads(self) -> Any:
-        """Unpickle the payload on top of the received buffers."""
-        return pickle.loads(self.payload, buffers=self.buffers)
+        """Unpickle the payload on top of the received buffers, then let go
+        of both (the arrays built on a segment keep it mapped)."""
+        try:
+            return pickle.loads(self.payload, buffers=self.buffers)
+        finally:
+            self.payload = b""
+            self.buffers = []
 
 
 def _map_segment(
@@ -465,18 +612,22 @@ class Channel:
     ) -> None:
         released = list(released)
         if packed is None:
-            seg, payload, lengths = None, b"", []
+            seg, payload, lengths, in_segment = None, b"", [], 0
         else:
             seg, payload, lengths = packed.segment, packed.payload, packed.lengths
+            in_segment = packed.pickle_in_segment
+        flags = 0
+        if seg is not None:
+            flags = _HAS_SEGMENT | (_PICKLE_IN_SEGMENT if in_segment else 0)
         header = _HEADER.pack(
             kind,
-            seg is not None,
+            flags,
             len(lengths),
             len(released),
             msg_id,
             seg.id if seg is not None else 0,
-            sum(_aligned(n) for n in lengths) if lengths else 0,
-            len(payload),
+            sum(_aligned(n) for n in lengths) + in_segment,
+            in_segment or len(payload),
             t0,
             t1,
         )
@@ -488,62 +639,86 @@ class Channel:
         if seg is not None:
             seg.owner = owner
             ancdata = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", [seg.fd]))]
-        total = sum(len(p) for p in parts)
         sent = self.sock.sendmsg(parts, ancdata)
-        if sent < total:
-            self.sock.sendall(memoryview(b"".join(parts))[sent:])
+        for part in parts:
+            # A partial send (a signal interrupted it): the rest, part by part
+            # rather than joined into one more copy.
+            if sent >= len(part):
+                sent -= len(part)
+            else:
+                self.sock.sendall(memoryview(part)[sent:])
+                sent = 0
 
     def has_frame(self) -> bool:
         """Whether a whole frame is already buffered (recv will not block)."""
         return len(self._buf) >= _HEADER.size and self._frame_size() <= len(self._buf)
 
     def _frame_size(self) -> int:
-        _, _, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
-        return _HEADER.size + 8 * (nbufs + nrel) + plen
+        _, flags, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
+        return _HEADER.size + 8 * (nbufs + nrel) + (0 if flags & _PICKLE_IN_SEGMENT else plen)
 
     def recv(self) -> Frame | None:
         """The next frame, blocking until it is whole; None for a frame that
         only carried released segment ids. Raises EOFError when the peer is gone."""
-        while len(self._buf) < _HEADER.size:
-            self._fill(_HEADER.size)
-        size = self._frame_size()
-        while len(self._buf) < size:
-            self._fill(size)
         buf = self._buf
-        kind, has_seg, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(
-            buf
-        )
+        while len(buf) < _HEADER.size:
+            self._fill()
+        kind, flags, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(buf)
+        in_segment = plen if flags & _PICKLE_IN_SEGMENT else 0
+        if in_segment:
+            plen = 0  # on the socket
+        start = _HEADER.size + 8 * (nbufs + nrel)
+        end = start + plen
+        # Small frames come through the chunk (a read may take several);
+        # a big one is read straight into a buffer of its own size, so a
+        # frame costs time in proportion to its size.
+        while len(buf) < start or len(buf) < end <= len(buf) + len(self._chunk):
+            self._fill()
         ids = array("Q")
-        start = _HEADER.size
+        payload: bytes | bytearray | memoryview
         with memoryview(buf) as view:
-            if nbufs or nrel:
-                ids.frombytes(view[start : start + 8 * (nbufs + nrel)])
-                start += 8 * (nbufs + nrel)
-            payload = bytes(view[start : start + plen])
-        del buf[:size]
+            ids.frombytes(view[_HEADER.size : start])
+            if len(buf) >= end:
+                payload = bytes(view[start:end])
+                have = plen
+            else:
+                payload = bytearray(plen)
+                have = len(buf) - start
+                payload[:have] = view[start:]
+        del buf[: start + have]
+        if have < plen:
+            self._recv_into(memoryview(payload)[have:])
         for released_id in ids[nbufs:]:
             self._on_released(released_id)
         buffers: list[memoryview] = []
-        if has_seg:
+        if flags & _HAS_SEGMENT:
             if not self._fds:
                 raise EOFError("a frame announced a shared-memory segment that did not arrive")
             fd = self._fds.popleft()
             on_unmapped = self._on_unmapped
-            buffers = _map_segment(fd, seg_size, list(ids[:nbufs]), lambda: on_unmapped(seg_id))
+            lengths = list(ids[:nbufs])
+            if in_segment:
+                lengths.append(in_segment)
+            buffers = _map_segment(fd, seg_size, lengths, lambda: on_unmapped(seg_id))
+            if in_segment:
+                payload = buffers.pop()
         if kind == RELEASE:
             return None
         return Frame(kind, msg_id, payload, buffers, t0, t1)
 
-    def _fill(self, need: int) -> None:
-        missing = need - len(self._buf)
-        if missing > len(self._chunk):
-            # A big frame: read it straight in rather than through the chunk.
-            data = bytearray(missing)
-            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([data], _ANC_SIZE)
-            view = memoryview(data)[:nbytes]
-        else:
-            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([self._chunk], _ANC_SIZE)
-            view = self._chunk_view[:nbytes]
+    def _fill(self) -> None:
+        """Read what is there (up to a chunk) onto the end of the buffer."""
+        nbytes = self._recvmsg(self._chunk_view)
+        self._buf += self._chunk_view[:nbytes]
+
+    def _recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the socket."""
+        while view:
+            nbytes = self._recvmsg(view)
+            view = view[nbytes:]
+
+    def _recvmsg(self, view: memoryview) -> int:
+        nbytes, ancdata, flags, _ = self.sock.recvmsg_into([view], _ANC_SIZE)
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array("i")
@@ -553,7 +728,7 @@ class Channel:
             raise EOFError("file descriptors were lost in transit (MSG_CTRUNC)")
         if not nbytes:
             raise EOFError("the peer closed its end of the socket")
-        self._buf += view
+        return nbytes
 
     def close(self) -> None:
         """Close the socket and every descriptor received but not yet mapped."""

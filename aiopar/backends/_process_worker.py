@@ -2,18 +2,24 @@
 
 A worker runs one task at a time, in the order they arrive, and answers each
 with exactly one RESULT or ERROR frame carrying its start and end times
-(on :func:`aiopar._trace.clock`, which every process on the machine shares). It exits
-when the parent closes its end of the socket. Forks made by a task run in the
-worker on the thread backend.
+(on :func:`aiopar._trace.clock`, which every process on the machine shares).
+A PATH frame replaces its ``sys.path`` with the parent's. It exits when the
+parent closes its end of the socket, and at once, even in the middle of a
+task, when the parent process dies. Forks made by a task run in the worker
+on the thread backend.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from collections import deque
 from typing import Any
@@ -24,7 +30,8 @@ from . import _process_wire as wire
 __all__ = ["main"]
 
 
-def main(fd: int) -> None:
+def main(fd: int, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid)
     # Ctrl-C in a terminal reaches the whole process group: the parent
     # decides what happens to the tasks, not each worker on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -41,13 +48,40 @@ def main(fd: int) -> None:
         channel.send(wire.READY, os.getpid())
         while True:
             frame = channel.recv()
-            if frame is not None and frame.kind == wire.TASK:
+            if frame is None:
+                continue
+            if frame.kind == wire.TASK:
                 _run(frame, channel, pool, released)
+            elif frame.kind == wire.PATH:
+                sys.path[:] = frame.loads()
+                importlib.invalidate_caches()
             del frame
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone or shut the pool down
     finally:
         pool.close()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent process dies, however it dies (SIGKILL
+    included) and whatever the worker is doing: no task is worth running
+    for a parent that cannot take its result."""
+    try:
+        pidfd: int | None = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3: poll the parent's pid instead
+        pidfd = None
+    if os.getppid() != parent_pid:  # it died before the watch began
+        os._exit(1)
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the process has exited
+        else:
+            while os.getppid() == parent_pid:
+                time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="aiopar-parent-watch", daemon=True).start()
 
 
 def _drain(released: deque[int]) -> list[int]:
@@ -79,11 +113,9 @@ def _call(frame: wire.Frame, pool: wire.SegmentPool) -> wire.Packed:
         exc.add_note(
             "(aiopar: raised while unpickling the task in a worker process; the worker "
             "must be able to import every module that the function and its arguments "
-            "come from)"
+            "come from, and its sys.path is the parent's as of the fork)"
         )
         raise
-    finally:
-        frame.buffers = []  # the arguments alone keep their segment mapped now
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     result = fn(*args, **kwargs)
     del fn, args, kwargs
@@ -126,4 +158,4 @@ def _pack_error(exc: BaseException) -> wire.Packed:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]))

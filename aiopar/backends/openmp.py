@@ -43,4 +43,4 @@ class OpenMPBackend(ThreadBackend):
     def stealable(self) -> bool:  # type: ignore[override]
         # Only the lane itself may run an awaited task in place: any other
         # waiter would run it beside the lane, out of order.
-        return _future.get_waiter() is self
+        return getattr(_future.get_waiter(), "pool", None) is self

@@ -7,16 +7,29 @@ Guarantees:
   The call is pickled in the thread that forks, so an argument that cannot
   be pickled raises ``TypeError`` at ``fork``; a result that cannot be
   pickled raises ``TypeError`` at ``wait``.
-- numpy arrays (any buffer of 64 KiB or more) travel through shared memory
-  with one copy on the sending side and none on the receiving side; the
-  segments are anonymous, so nothing is ever left in ``/dev/shm``.
+- A worker works on a copy of the arguments: changing an argument in place
+  (an array, a list) changes nothing in this process.
+- numpy arrays of 64 KiB or more, wherever they sit in the arguments, the
+  function's closure or the result, travel through shared memory with one
+  copy on the sending side and none on the receiving side (a strided array
+  is made contiguous in that copy). The segments are anonymous, so nothing
+  is ever left in ``/dev/shm``, even when a process is killed. Everything
+  else travels in the pickle, at a cost in proportion to its size.
 - Workers are fresh interpreters (never ``fork()``-ed from this process),
   started when work first arrives, reused, and stopped by ``shutdown()`` or
-  at interpreter exit. A ``fork`` inside a task runs in that worker on the
-  thread backend.
+  at interpreter exit. Nothing runs in a worker before its ``sys.path`` is
+  this process's, and a task carries this process's ``sys.path`` to its
+  worker when it has changed since. A ``fork`` inside a task runs in that
+  worker on the thread backend.
 - A worker that dies (killed, segfault, ``os._exit``) fails only the task it
   was running, with :class:`~aiopar.BrokenWorkerError`; the tasks queued
-  behind it run on a replacement.
+  behind it run on a replacement. A worker exits at once when this process
+  dies, however it dies (SIGKILL included) and whatever it is doing.
+- Shutdown is bounded for tasks that never return (see ``grace``).
+- After ``os.fork()`` (or a multiprocessing "fork" Process) the child starts
+  with an empty pool of its own; the futures of tasks pending at the fork
+  fail there with :class:`~aiopar.BrokenWorkerError` (their results go to
+  the parent).
 - A task's exception arrives with its type and, as ``__cause__``, the text
   of the traceback in the worker.
 - ``cancel()`` succeeds until the task is sent to a worker (see
@@ -24,7 +37,9 @@ Guarantees:
   (``stealable`` is false): it blocks until a worker has run it.
 - Done-callbacks of process futures run in the backend's manager thread;
   one that blocks (waiting on another process task, say) hands the
-  manager's job to a new thread, so it cannot stall the pool.
+  manager's job to a new thread, so it cannot stall the pool, and any
+  exception one raises (``SystemExit`` and ``KeyboardInterrupt`` included)
+  is logged and harms nothing else.
 
 Workers are started with ``subprocess`` (``python -c``, the parent's
 ``sys.path``), so the parent's ``__main__`` is never re-imported. Each talks
@@ -35,10 +50,11 @@ path needs Linux (elsewhere large buffers go through the socket).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
-import json
 import logging
+import math
 import os
 import pickle
 import selectors
@@ -47,12 +63,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _config, _future
+from .. import _budget, _config, _future
 from .._errors import BrokenWorkerError
 from .._future import Future
 from . import _process_wire as wire
@@ -78,13 +95,24 @@ _PREFETCH_MAX_CALL = 16 * 1024
 _PREFETCH_MAX_BYTES = 64 * 1024
 # How long shutdown waits for an idle worker to exit before killing it.
 _STOP_TIMEOUT = 10.0
+# The default grace period of a bounded shutdown (see ProcessBackend).
+_GRACE = 5.0
+# How long a terminated worker has to exit before it is killed.
+_KILL_AFTER = 1.0
 
+# Nothing is imported before sys.path is the parent's: ``python -c`` puts the
+# working directory first, where a json.py or socket.py would shadow the
+# standard library's module. argv: socket fd, parent pid, then sys.path.
 _BOOT = (
-    "import sys, json; sys.path[:] = json.loads(sys.argv[2]); "
-    "from aiopar.backends._process_worker import main; main(int(sys.argv[1]))"
+    "import sys; sys.path[:] = sys.argv[3:]; "
+    "from aiopar.backends._process_worker import main; main(int(sys.argv[1]), int(sys.argv[2]))"
 )
 
 _backend_ids = itertools.count(1)
+_backends: weakref.WeakSet[ProcessBackend] = weakref.WeakSet()
+# Handles on workers that a process inherited through os.fork(): they are
+# the parent's children, never to be waited for here.
+_inherited: list[subprocess.Popen[bytes]] = []
 
 
 class RemoteTraceback(Exception):
@@ -106,7 +134,8 @@ class RemoteError(Exception):
     """Stands in for an exception raised in a worker that could not be pickled."""
 
 
-_Settle = tuple[Future[Any], tuple[Any, "BaseException | None"]]
+# A future and its outcome, (result, exception), or None to cancel it.
+_Settle = tuple[Future[Any], "tuple[Any, BaseException | None] | None"]
 
 
 class _Job:
@@ -138,7 +167,8 @@ class _Worker:
                 "-c",
                 _BOOT,
                 str(child_end.fileno()),
-                json.dumps([os.fspath(p) for p in sys.path if isinstance(p, str | os.PathLike)]),
+                str(os.getpid()),
+                *backend._path,
             ]
             self.process = subprocess.Popen(
                 command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL
@@ -154,6 +184,9 @@ class _Worker:
         self.stopping = False
         self.eof = False  # its socket has been read to the end
         self.inflight: deque[_Job] = deque()  # sent, in the order the worker runs them
+        self.path_version = backend._path_version  # of the sys.path it has
+        self.terminated: str | None = None  # why shutdown terminated it
+        self.kill_at = math.inf  # when to kill it if it has not exited by then
         backend_ref = weakref.ref(backend)
 
         def unmapped(seg_id: int) -> None:
@@ -186,12 +219,31 @@ class ProcessBackend(Backend):
     that worker. By default it adapts: about a millisecond of work at the
     tasks' recent pace (between 1 and 16 tasks). Only small calls (under
     16 KiB pickled, no shared-memory arrays) are prefetched.
+
+    ``grace`` (seconds, default 5) bounds how long stopping waits for tasks
+    that do not return. ``shutdown(cancel_pending=True)`` cancels the queued
+    tasks and gives the running ones ``grace`` seconds; a worker still
+    running a task then is terminated (SIGTERM, then SIGKILL a second
+    later) and the task's future fails with
+    :class:`~aiopar.BrokenWorkerError`. At interpreter exit the queued
+    tasks still run, but once ``grace`` seconds pass with no task
+    finishing, the same happens to the running ones and the rest are
+    cancelled; after an uncaught KeyboardInterrupt the queued tasks are
+    cancelled at once. ``grace=None`` waits for ever. A plain
+    ``shutdown()`` runs every queued task and waits for all of them,
+    however long they take.
     """
 
     name = "process"
     stealable = False
 
-    def __init__(self, max_workers: int | None = None, *, prefetch: int | None = None) -> None:
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        *,
+        prefetch: int | None = None,
+        grace: float | None = _GRACE,
+    ) -> None:
         check_max_workers(max_workers)
         if prefetch is not None and (
             not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0
@@ -199,27 +251,47 @@ class ProcessBackend(Backend):
             raise ValueError(
                 f"prefetch must be None (adaptive) or a whole number >= 0, got {prefetch!r}"
             )
+        if grace is not None and (
+            not isinstance(grace, int | float) or isinstance(grace, bool) or not grace >= 0
+        ):
+            raise ValueError(
+                f"grace must be None (wait for ever) or a number of seconds >= 0, got {grace!r}"
+            )
         super().__init__()
-        self._max_workers = max_workers or _config.cores()
+        self._max_workers = max_workers or _budget.cores()
         self._prefetch = prefetch
+        self._grace = grace
         self._mean_run_ns = _PREFETCH_BUDGET_NS  # recent task run time (moving average)
+        self._worker_index = itertools.count()
+        self._job_ids = itertools.count(1)
+        self._generation = 0  # of the manager thread in charge
+        self._name = f"aiopar-process-{next(_backend_ids)}"
+        self._fresh_state()
+        _backends.add(self)
+
+    def _fresh_state(self) -> None:
+        """No workers, no queue, no manager: a new backend, or a child's after os.fork()."""
         self._lock = threading.Lock()
         self._pending: deque[_Job] = deque()
         self._workers: list[_Worker] = []
         self._idle: list[_Worker] = []
-        self._worker_index = itertools.count()
-        self._job_ids = itertools.count(1)
         self._start_failures = 0
         self._segments = wire.SegmentPool()
         self._manager: threading.Thread | None = None
-        self._generation = 0  # of the manager thread in charge
         self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_r = self._wake_w = -1  # the manager's wake-up pipe, made with it
         self._unmapped: deque[tuple[_Worker, int]] = deque()
-        self._name = f"aiopar-process-{next(_backend_ids)}"
         self._pid = os.getpid()
+        # Past this time.monotonic(), shutdown terminates the workers still
+        # running a task; with _renew, each task that finishes pushes it on.
+        self._deadline: float | None = None
+        self._renew = False
+        self._why_terminated = ""
+        # sys.path as last seen by a fork, what of it workers can use, and
+        # how many times it changed (a worker with an older one gets it).
+        self._sys_path = list(sys.path)
+        self._path = _importable(self._sys_path)
+        self._path_version = 0
 
     @property
     def max_workers(self) -> int:
@@ -236,11 +308,16 @@ class ProcessBackend(Backend):
     def submit(self, task: Task) -> None:
         if self._closed:
             raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
-        if os.getpid() != self._pid:
+        if os.getpid() != self._pid:  # forked by C code that ran no at-fork hooks
             raise RuntimeError(
-                f"{self!r} belongs to process {self._pid}; a child made with os.fork() "
+                f"{self!r} belongs to process {self._pid}; a child made with fork() "
                 f"must create its own backend"
             )
+        if sys.path != self._sys_path:  # cheap while it is the same: compared item by item
+            with self._lock:
+                self._sys_path = list(sys.path)
+                self._path = _importable(self._sys_path)
+                self._path_version += 1
         job = _Job(task, self._pack_call(task), next(self._job_ids))
         with self._lock:
             if self._closed:
@@ -314,6 +391,11 @@ class ProcessBackend(Backend):
         # Called with the lock held.
         worker.inflight.append(job)
         try:
+            if worker.path_version != self._path_version:
+                # Before the task, so its function unpickles on the new path.
+                path = wire.Packed(pickle.dumps(self._path, protocol=5), [], None, None)
+                worker.channel.send(wire.PATH, packed=path)
+                worker.path_version = self._path_version
             worker.channel.send(wire.TASK, job.id, job.packed, owner=worker)
         except OSError:
             # The worker is dying; the manager notices through its pidfd and
@@ -338,6 +420,11 @@ class ProcessBackend(Backend):
 
     def _start_manager(self) -> None:
         # Called with the lock held.
+        with self._wake_lock:
+            if self._wake_r < 0:
+                self._wake_r, self._wake_w = os.pipe()
+                os.set_blocking(self._wake_r, False)
+                os.set_blocking(self._wake_w, False)
         self._generation += 1
         self._manager = threading.Thread(
             target=self._manage,
@@ -371,6 +458,7 @@ class ProcessBackend(Backend):
         handed_off = False
         try:
             while True:
+                timeout = self._enforce_deadline(settles)
                 with self._lock:
                     for job, error in self._start_workers():
                         job.packed.discard()
@@ -385,16 +473,9 @@ class ProcessBackend(Backend):
                     stop = self._closed and not self._pending and not self._busy()
                 # Settled last, right before select() lets go of the GIL, so
                 # a waiter that wakes up finds it free.
-                for i, (future, outcome) in enumerate(settles):
-                    future._settle(*outcome)
-                    if generation != self._generation:
-                        # A callback blocked and a new manager took over;
-                        # it never saw these, so they are settled here.
-                        for future, outcome in settles[i + 1 :]:
-                            future._settle(*outcome)
-                        handed_off = True
-                        return
-                settles.clear()
+                if self._settle_all(settles, generation):
+                    handed_off = True
+                    return
                 if stop:
                     break
                 # Frames a previous manager read but left unhandled.
@@ -403,7 +484,7 @@ class ProcessBackend(Backend):
                     for w in watched
                     if not w.eof and w.channel.has_frame()
                 ]
-                for key, _ in ready or selector.select():
+                for key, _ in ready or selector.select(timeout):
                     worker = key.data
                     if worker is None:
                         with contextlib.suppress(BlockingIOError):
@@ -423,7 +504,7 @@ class ProcessBackend(Backend):
         except BaseException:
             _logger.exception("the manager thread of %r failed; failing its tasks", self)
             for future, outcome in settles:
-                future._settle(*outcome)
+                _settle(future, outcome)
             self._fail_everything()
             raise
         finally:
@@ -434,6 +515,64 @@ class ProcessBackend(Backend):
                     os.close(self._wake_w)
                     self._wake_r = self._wake_w = -1
                 self._segments.close()
+
+    def _settle_all(self, settles: list[_Settle], generation: int) -> bool:
+        """Settle the futures; True if a callback blocked and a new manager
+        took over (this thread then only finishes its own list)."""
+        for i, (future, outcome) in enumerate(settles):
+            _settle(future, outcome)
+            if generation != self._generation:
+                # The new manager never saw these, so they are settled here.
+                for future, outcome in settles[i + 1 :]:
+                    _settle(future, outcome)
+                return True
+        settles.clear()
+        return False
+
+    def _enforce_deadline(self, settles: list[_Settle]) -> float | None:
+        """Once shutdown's deadline has passed, terminate the workers still
+        running a task (kill them a second later) and drop the queue, adding
+        the futures to ``settles``; return how long the manager may sleep
+        (None: until something happens)."""
+        if self._deadline is None:
+            return None
+        now = time.monotonic()
+        due = now >= self._deadline
+        wake_at = math.inf if due else self._deadline
+        why = self._why_terminated
+        terminating = []
+        with self._lock:
+            if due:
+                for job in self._pending:
+                    job.packed.discard()
+                    if job.future.running():  # resent after its worker died: too late to cancel
+                        message = f"{job.name}() never ran: the pool was stopped ({why})"
+                        settles.append((job.future, (None, BrokenWorkerError(message))))
+                    else:
+                        settles.append((job.future, None))
+                self._pending.clear()
+            for worker in self._workers:
+                if worker.terminated is None:
+                    if not due or not worker.inflight:
+                        continue
+                    terminating.append((worker, worker.inflight[0].name))
+                    worker.terminated = why
+                    worker.kill_at = now + _KILL_AFTER
+                    worker.process.terminate()
+                elif now >= worker.kill_at:
+                    worker.kill_at = math.inf
+                    worker.process.kill()
+                wake_at = min(wake_at, worker.kill_at)
+        for worker, name in terminating:
+            _logger.warning(
+                "%r: terminating %r, which is still running %s(): %s "
+                "(ProcessBackend(grace=...) sets how long a shutdown waits)",
+                self,
+                worker,
+                name,
+                why,
+            )
+        return None if wake_at == math.inf else wake_at - now
 
     def _busy(self) -> bool:
         return any(worker.inflight for worker in self._workers)
@@ -508,6 +647,8 @@ class ProcessBackend(Backend):
                 self._idle.append(worker)
             self._dispatch()
         self._mean_run_ns += (frame.t1 - frame.t0 - self._mean_run_ns) // 8
+        if self._renew and self._deadline is not None:
+            self._deadline = time.monotonic() + self._grace  # type: ignore[operator]
         task = job.task
         if task.record is not None:
             # Tasks run on the worker's main thread, whose tid is its pid.
@@ -559,10 +700,13 @@ class ProcessBackend(Backend):
             inflight = list(worker.inflight)
             worker.inflight.clear()
             running = inflight[0] if inflight else None
-            for job in reversed(inflight[1:]):  # sent but not started: run them elsewhere
-                self._pending.appendleft(job)
-                if job.packed.segment is not None:
-                    job.packed.segment.owner = None
+            stranded = inflight[1:]  # sent but not started
+            if worker.terminated is None:  # run them elsewhere
+                for job in reversed(stranded):
+                    self._pending.appendleft(job)
+                    if job.packed.segment is not None:
+                        job.packed.segment.owner = None
+                stranded = []
             self._segments.release_owner(worker)
             failed_to_start = not worker.ready and not self._closed
             doomed: list[_Job] = []
@@ -582,7 +726,20 @@ class ProcessBackend(Backend):
             job.packed.discard()
             settles.append((job.future, (None, BrokenWorkerError(message))))
 
-        if running is not None:
+        if worker.terminated is not None:
+            if running is not None:
+                lost(
+                    running,
+                    f"the worker process (pid {worker.pid}) running {running.name}() was "
+                    f"terminated at shutdown: {worker.terminated}. The task's work is lost",
+                )
+            for job in stranded:
+                lost(
+                    job,
+                    f"{job.name}() never ran: it was queued on the worker process "
+                    f"(pid {worker.pid}) that shutdown terminated ({worker.terminated})",
+                )
+        elif running is not None:
             lost(
                 running,
                 f"the worker process (pid {worker.pid}) running {running.name}() died: "
@@ -625,40 +782,160 @@ class ProcessBackend(Backend):
                 jobs.extend(worker.inflight)
                 worker.inflight.clear()
         for job in jobs:
-            job.future._settle(
-                None, BrokenWorkerError(f"{self!r} failed internally; see the 'aiopar' log")
-            )
+            error = BrokenWorkerError(f"{self!r} failed internally; see the 'aiopar' log")
+            _settle(job.future, (None, error))
         with contextlib.suppress(Exception):
             self._stop_workers()
 
     # -- shutting down -------------------------------------------------------
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        """Stop accepting work and stop the workers once they are done.
+
+        Queued tasks still run, and ``wait`` waits for them however long
+        they take. With ``cancel_pending`` the queued tasks are cancelled
+        instead, and the running ones get the backend's ``grace`` seconds:
+        then their workers are terminated and their futures fail with
+        :class:`~aiopar.BrokenWorkerError`, so the call returns in bounded
+        time even if a task never returns.
+        """
+        why = None
+        if cancel_pending:
+            why = f"still running {self._grace} s after shutdown(cancel_pending=True)"
+        self._stop(cancel_pending, why)
+        if wait:
+            self._join()
+
+    def _stop(self, cancel_pending: bool, why: str | None, *, renew: bool = False) -> None:
+        """Close; with ``why``, terminate what still runs ``grace`` seconds
+        from now (``renew``: from the last task that finished)."""
         with self._lock:
             self._closed = True
-            cancelled = list(self._pending) if cancel_pending else []
+            queued: list[_Job] = []
             if cancel_pending:
+                queued = list(self._pending)
                 self._pending.clear()
+            if why is not None and self._grace is not None and self._deadline is None:
+                self._deadline = time.monotonic() + self._grace
+                self._renew = renew
+                self._why_terminated = why
             manager = self._manager
-        for job in cancelled:
-            job.packed.discard()
-            job.future.cancel()
+        started = []
+        for job in queued:
+            if job.future.cancel():
+                job.packed.discard()
+            else:
+                started.append(job)  # resent after its worker died: it runs
+        if started:
+            with self._lock:
+                self._pending.extendleft(reversed(started))
         if manager is None:
-            with self._wake_lock:
-                if self._wake_r >= 0:
-                    os.close(self._wake_r)
-                    os.close(self._wake_w)
-                    self._wake_r = self._wake_w = -1
-                    self._segments.close()
-            return
-        self._wake()
-        if wait:
-            # A blocked callback may hand the manager's job to a new thread.
-            while manager is not threading.current_thread():
-                manager.join()
-                if manager is self._manager:
-                    break
-                manager = self._manager
+            self._segments.close()
+        else:
+            self._wake()
+
+    def _join(self, timeout: float | None = None) -> bool:
+        """Wait for the manager to finish; False if ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        manager = self._manager
+        # A blocked callback may hand the manager's job to a new thread.
+        while manager is not None and manager is not threading.current_thread():
+            manager.join(None if end is None else max(0.0, end - time.monotonic()))
+            if manager.is_alive():
+                return False
+            if manager is self._manager:
+                break
+            manager = self._manager
+        return True
+
+    def _after_fork(self) -> None:
+        """Start afresh in a child made by os.fork(): only the forking thread
+        lives on, so the manager is gone, a lock may be held for ever, and
+        the workers are the parent's (the child must not hold their sockets
+        open, or they would not see the parent shut them down)."""
+        parent = self._pid
+        jobs = [*self._pending, *(job for worker in self._workers for job in worker.inflight)]
+        for worker in self._workers:
+            worker.channel.close()
+            if worker.pidfd is not None:
+                os.close(worker.pidfd)
+            _inherited.append(worker.process)
+        if self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self._segments.close_after_fork()
+        self._fresh_state()
+        for job in jobs:
+            job.future._lock = threading.Lock()  # its holder may be a thread that is gone
+            error = BrokenWorkerError(
+                f"{job.name}() was forked on {self!r} in process {parent}, which then "
+                f"forked this process (os.fork); the task runs for the parent, so its "
+                f"result never reaches this copy of the future"
+            )
+            _settle(job.future, (None, error))
+
+
+def _importable(path: list[Any]) -> list[str]:
+    """The entries of ``sys.path`` a worker can use (strings and path objects)."""
+    return [os.fspath(p) for p in path if isinstance(p, str | os.PathLike)]
+
+
+def _settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:
+    """Settle ``future`` with ``outcome``, or cancel it if that is None.
+
+    A done-callback runs here; whatever it raises (SystemExit and
+    KeyboardInterrupt included) is the callback's business, not the
+    pool's: it is logged, and the manager carries on.
+    """
+    try:
+        if outcome is None:
+            future.cancel()
+        else:
+            future._settle(*outcome)
+    except BaseException as exc:
+        _logger.error(
+            "a done-callback of %r raised %s; the process backend logged and ignored it",
+            future,
+            type(exc).__name__,
+            exc_info=exc,
+        )
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    # Registered after the Backend base class's own exit hook, so it runs
+    # first (atexit runs in reverse) and that one finds these shut down.
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    backends = list(_backends)
+    for backend in backends:
+        grace = backend._grace
+        if interrupted:
+            why = f"still running {grace} s after an uncaught KeyboardInterrupt"
+            backend._stop(True, why)
+        else:
+            why = f"the interpreter is exiting and no task finished for {grace} s"
+            backend._stop(False, why, renew=True)
+    for backend in backends:
+        if not backend._join(timeout=1.0):
+            _logger.warning(
+                "%r: waiting for its running tasks before the interpreter exits "
+                "(a worker is terminated once no task has finished for %s s)",
+                backend,
+                backend._grace,
+            )
+            backend._join()
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_backends):
+        try:
+            backend._after_fork()
+        except Exception:
+            _logger.exception("could not reset %r after os.fork()", backend)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unregister(selector: selectors.BaseSelector, worker: _Worker) -> None:

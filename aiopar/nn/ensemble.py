@@ -8,7 +8,7 @@ forked, models forked.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -64,6 +64,9 @@ class BidirectionalRecurrentLSTM(Module):
             run_direction(self.cell_b, x_tm, out_b, reverse=True)
         return out[:, 0, :] if unbatched else out
 
+    if TYPE_CHECKING:  # calling a module runs forward: show type checkers its signature
+        __call__ = forward
+
 
 class LSTMEnsemble(Module):
     """`n_models` `BidirectionalRecurrentLSTM` run on the same input; their outputs are summed.
@@ -117,6 +120,9 @@ class LSTMEnsemble(Module):
         for result in results[1:]:
             total += result
         return total
+
+    if TYPE_CHECKING:  # calling a module runs forward: show type checkers its signature
+        __call__ = forward
 
 
 def run_direction(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -222,6 +222,9 @@ class LSTM(Module):
         if unbatched:
             return output[:, 0, :], (h_n[:, 0, :], c_n[:, 0, :])
         return output, (h_n, c_n)
+
+    if TYPE_CHECKING:  # calling a module runs forward: show type checkers its signature
+        __call__ = forward
 
     def _run(
         self,

@@ -1,0 +1,520 @@
+"""The thread budget: how many threads the pools and the libraries may use.
+
+Thread counts come in two kinds, kept apart as ATen keeps them: *interop*
+workers run forked tasks side by side, *intra-op* threads split one operation
+(BLAS and OpenMP threads, set through threadpoolctl, plus the helpers of
+``parallel_for``). Every rule that keeps interop x intra-op within the cores
+is in this module:
+
+1. **The count.** Explicit (``set_num_threads``, or a thread-count
+   environment variable at import) and then kept whatever runs; otherwise
+   ``cores // k`` while k threads count, never below 1, and every core while
+   at most one counts.
+2. **Who counts.** A thread counts once, however its tasks nest, while it is
+   not blocked in ``wait`` and either runs a task (a pool worker, or a waiter
+   that runs another thread's task itself) or is a thread outside the pools
+   whose forks run on workers (it computes beside them). A fork its forker
+   runs itself changes nothing. Each chunk of a running ``parallel_for``
+   counts.
+3. **A forker counts from the fork.** A fork for which an idle worker is
+   woken holds a token from the fork on, so its forker's next BLAS call
+   already leaves the cores the fork will use, and the forker counts beside
+   it from then. A thread that waited within ``WAITS_AT_ONCE`` seconds of
+   its last fork is taken to fork and wait, not to compute beside its forks:
+   it does not count for its forks until it computes longer than that
+   before a wait again. So ``fork(f).wait()`` changes no library setting,
+   whichever thread runs ``f``.
+4. **Threads come back late.** The libraries get fewer threads as soon as more
+   threads count, but more only once nothing counts, or when a thread blocks
+   in ``wait``: at once if it computed for less than 0.1 s
+   (``_future._BLOCKED_LONG``), else once the wait has lasted that long. A stream of short tasks
+   does not flip BLAS at every task, and the short tail of a fork leaves no
+   spinning BLAS threads behind (OpenBLAS's spin for about 0.1 s after a call).
+
+BLAS pools (OpenBLAS with pthreads, MKL, BLIS) are process-wide, so the count
+is applied to them whenever it changes, and only then. OpenMP limits are per
+thread: a thread applies the count to itself when it starts counting and
+gets its own setting back when it stops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from . import _future
+
+__all__ = [
+    "Slot",
+    "budget",
+    "check_count",
+    "cores",
+    "get_num_interop_threads",
+    "get_num_threads",
+    "set_num_interop_threads",
+    "set_num_threads",
+    "this_thread",
+    "worker_slot",
+]
+
+_logger = logging.getLogger("aiopar")
+
+
+@functools.cache
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_count(n: object, what: str, *, minimum: int = 1, none: str | None = None) -> None:
+    """Refuse ``n`` unless it is a whole number >= ``minimum`` (or None, if
+    ``none`` says what None means)."""
+    if n is None and none is not None:
+        return
+    if not isinstance(n, int) or isinstance(n, bool) or n < minimum:
+        alternative = f" or None ({none})" if none is not None else ""
+        raise ValueError(f"{what} must be a whole number >= {minimum}{alternative}, got {n!r}")
+
+
+# -- interop ------------------------------------------------------------------
+
+#: workers of a thread backend created without max_workers (read on every fork)
+interop_threads: int = cores()
+
+
+def get_num_interop_threads() -> int:
+    """Worker threads of the thread backend (the number of cores unless set)."""
+    return interop_threads
+
+
+def set_num_interop_threads(n: int) -> None:
+    """Set the thread backend's worker count; pools already running follow it."""
+    global interop_threads
+    check_count(n, "set_num_interop_threads(n): n")
+    interop_threads = n
+
+
+# -- intra-op -----------------------------------------------------------------
+
+#: environment variables that decide thread counts; the first four, in this
+#: order, set the starting intra-op count (the first one set to a count wins)
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+def threads_from_env() -> tuple[int | None, str | None, list[str]]:
+    """The intra-op count the environment sets, the variable that set it, and
+    a sentence for each variable that was set but is not a count."""
+    ignored = []
+    for name in THREAD_ENV_VARS[:4]:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            continue
+        try:
+            n = int(value.split(",")[0])  # OMP_NUM_THREADS may be a list per level
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return n, name, ignored
+        ignored.append(f"{name}={value!r} is ignored: it is not a whole number >= 1")
+    return None, None, ignored
+
+
+class Budget:
+    """The intra-op thread count and the libraries it is applied to."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # serialises changes to the libraries
+        # One token per thread (or parallel_for chunk, or fork) that counts.
+        # deque.append/pop are atomic, so the hot path takes no lock; whoever
+        # sees the count change re-checks under the lock until the libraries
+        # match it.
+        self.tokens: deque[None] = deque()
+        n_cores = cores()
+        # the budgeted count for k counting: all cores for 0 or 1, then cores // k
+        self.shares = (n_cores, *(max(1, n_cores // k) for k in range(1, n_cores + 1)))
+        self.explicit, self.explicit_from, self.env_ignored = threads_from_env()
+        self.applied: int | None = None  # last count given to the process-wide libraries
+        self.controller: Any = None  # threadpoolctl.ThreadpoolController, made lazily
+        self.process_wide: list[Any] = []
+        self.setters: list[Callable[[int], Any]] = []  # one per process-wide library
+        self.per_thread: list[Any] = []
+        self.modules_seen = -1  # len(sys.modules) at the last scan for libraries
+        self.local = threading.local()  # per-thread libraries: .applied, .own
+
+    @property
+    def running(self) -> int:
+        """Threads, forks and parallel_for chunks that count now."""
+        return len(self.tokens)
+
+    def target(self) -> int:
+        """The intra-op thread count right now."""
+        if self.explicit is not None:
+            return self.explicit
+        return self._share(len(self.tokens))
+
+    def _share(self, running: int) -> int:
+        shares = self.shares
+        return shares[running] if running < len(shares) else 1
+
+    def follow(self) -> None:
+        """Give the libraries the count for what counts now (fewer or more threads)."""
+        # The lock is taken only when the libraries must change.
+        if self.explicit is None and self._share(len(self.tokens)) != self.applied:
+            with self.lock:
+                self._follow_budget()
+
+    def take(self) -> None:
+        """One more counts: the libraries get fewer threads at once if the share drops."""
+        self.tokens.append(None)
+        self.follow()
+
+    def give_back(self, *, now: bool = False) -> None:
+        """One fewer counts. The threads come back at once with ``now``, else
+        only once nothing counts (rule 4)."""
+        tokens = self.tokens
+        tokens.pop()
+        if now or not tokens:
+            self.follow()
+
+    def add_running(self, delta: int) -> None:
+        """``delta`` more (or fewer) count now; ``parallel_for`` counts its chunks so."""
+        if delta > 0:
+            self.tokens.extend([None] * delta)
+            self.follow()
+        else:
+            for _ in range(-delta):
+                self.tokens.pop()
+            if not self.tokens:
+                self.follow()
+
+    def set_explicit(self, n: int | None, source: str | None) -> None:
+        with self.lock:
+            self.explicit, self.explicit_from = n, source
+            self._scan()
+            if n is None:
+                n = self._follow_budget()
+            else:
+                self._apply(n)
+        self.apply_here()
+
+    # Called with self.lock held.
+    def _follow_budget(self) -> int:
+        # The count may change again while the libraries are being set:
+        # repeat until they match it, so the last change always wins.
+        while True:
+            n = self.target()
+            if n == self.applied or self.explicit is not None:
+                return n
+            self._apply(n)
+
+    # Called with self.lock held.
+    def _apply(self, n: int) -> None:
+        if len(sys.modules) != self.modules_seen:
+            self._scan()  # a new import may have loaded another BLAS
+        for lib, set_num_threads in zip(self.process_wide, self.setters, strict=True):
+            try:
+                set_num_threads(n)
+            except Exception:
+                _logger.exception("could not set the thread count of %s", lib.filepath)
+        self.applied = n
+
+    def apply_here(self) -> None:
+        """Give this thread's OpenMP libraries the current count (a no-op without them)."""
+        if self.per_thread:
+            self._apply_this_thread(self.target())
+
+    def restore_here(self) -> None:
+        """Give this thread's OpenMP libraries back the count they had before
+        the budget first changed them in this thread."""
+        own = getattr(self.local, "own", None)
+        if own is not None and self.per_thread:
+            self._apply_this_thread(own)
+
+    def _apply_this_thread(self, n: int) -> None:
+        local = self.local
+        if getattr(local, "applied", None) == n:
+            return
+        if getattr(local, "own", None) is None:
+            local.own = self.per_thread[0].num_threads
+        for lib in self.per_thread:
+            try:
+                lib.set_num_threads(n)
+            except Exception:
+                _logger.exception("could not set the thread count of %s", lib.filepath)
+        local.applied = n
+
+    def _scan(self) -> None:
+        from threadpoolctl import ThreadpoolController
+
+        self.modules_seen = len(sys.modules)
+        self.controller = ThreadpoolController()
+        self.process_wide, self.per_thread, self.setters = [], [], []
+        for lib in self.controller.lib_controllers:
+            if lib.user_api == "openmp" or getattr(lib, "threading_layer", None) == "openmp":
+                self.per_thread.append(lib)
+            else:
+                self.process_wide.append(lib)
+                self.setters.append(process_wide_setter(lib))
+        self.applied = None
+        self.local = threading.local()
+
+    def libraries(self) -> list[dict[str, Any]]:
+        """threadpoolctl's view of the loaded BLAS/OpenMP libraries, freshly scanned."""
+        with self.lock:
+            self._scan()
+            return self.controller.info()
+
+
+budget = Budget()
+
+
+def process_wide_setter(lib: Any) -> Callable[[int], Any]:
+    """The cheapest call that sets a process-wide library's thread count.
+
+    For OpenBLAS that is its own C function, reached through threadpoolctl's
+    handle on the library (``dynlib``, and the symbol names of its
+    ``check_symbols``: the threadpoolctl versions this relies on are pinned
+    in pyproject.toml and a test fails if they change). threadpoolctl's
+    method lets only one thread (the first that calls it) change OpenBLAS and
+    ignores the others, while the budget changes it from whichever thread
+    starts or ends a task; the C function also costs a third of the method.
+    """
+    if lib.internal_api == "openblas":
+        for get_symbol in type(lib).check_symbols:
+            setter = getattr(lib.dynlib, get_symbol.replace("_get_", "_set_"), None)
+            if setter is not None:
+                return setter
+    return lib.set_num_threads
+
+
+def get_num_threads() -> int:
+    """Intra-op threads: what BLAS, OpenMP and ``parallel_for`` may use right now.
+
+    This is the count given to :func:`set_num_threads` if it was called (or
+    read from ``OMP_NUM_THREADS`` and the like at import). Otherwise it is
+    the budget: all the cores while no forked task runs, ``cores // k``
+    (at least 1) while k tasks run at once.
+    """
+    return budget.target()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Use exactly ``n`` intra-op threads from now on, or ``None`` for the budget.
+
+    Applies at once to every BLAS and OpenMP library that threadpoolctl
+    finds (OpenMP in the calling thread, and in each worker when it next
+    starts a task) and to ``parallel_for``. An explicit count is kept as
+    given, whatever runs: ``n`` above ``cores() // get_num_interop_threads()``
+    oversubscribes the cores once several forked tasks use BLAS at the same
+    time, and :func:`parallel_info` says so. ``set_num_threads(None)`` hands
+    the count back to the budget.
+    """
+    check_count(n, "set_num_threads(n): n", none="the automatic budget")
+    budget.set_explicit(n, None if n is None else "set_num_threads")
+
+
+# -- per-thread slots ---------------------------------------------------------
+
+#: a thread that waits this soon after its last fork is not computing beside it
+WAITS_AT_ONCE = 0.001
+
+
+class Slot:
+    """One thread's standing in the budget (rule 2), and the waiter of a
+    thread outside the pools.
+
+    A slot holds one token while it counts. Its own thread calls
+    :meth:`task_started` / :meth:`task_ended` around each task it runs and,
+    through the waiter protocol, :meth:`blocked` / :meth:`blocked_long` /
+    :meth:`resumed`; a pool calls :meth:`forked`, :meth:`fork_taken` and
+    :meth:`fork_finished` on the slot of the thread that forked a task.
+    """
+
+    __slots__ = (
+        "anticipates",
+        "counted",
+        "counted_since",
+        "elsewhere",
+        "forked_at",
+        "forks_unfinished",
+        "is_blocked",
+        "is_worker",
+        "lock",
+        "running",
+        "running_own",
+        "sharing",
+    )
+
+    def __init__(self, is_worker: bool) -> None:
+        self.lock = threading.Lock()
+        self.is_worker = is_worker
+        self.running = 0  # tasks this thread runs that count (nested ones too)
+        self.running_own = 0  # forks of its own it runs (they count only beside others)
+        self.forks_unfinished = 0  # its forks not finished (nor cancelled) yet
+        self.elsewhere = False  # another thread started one of them
+        self.sharing = False  # it counts for its forks (rule 3)
+        self.anticipates = True  # rule 3: it computes beside its forks
+        self.forked_at = 0.0
+        self.is_blocked = False
+        self.counted = False
+        self.counted_since = 0.0
+
+    def _recount(self, reserved: bool = False) -> None:
+        # Called with self.lock held. ``reserved``: a token the task that
+        # starts here took at its fork, which this thread takes over if it
+        # starts counting now and otherwise gives back.
+        counts = (self.sharing or self.running > 0) and not self.is_blocked
+        if counts != self.counted:
+            self.counted = counts
+            if counts:
+                self.counted_since = time.monotonic()
+                if reserved:
+                    return
+                budget.take()
+            else:
+                budget.give_back()
+        if reserved:
+            budget.give_back(now=True)
+
+    # -- a task runs in this slot's thread --
+
+    def task_started(self, reserved: bool, forker: Slot | None) -> None:
+        """This thread starts a task (forked by ``forker``, a thread outside
+        the pools, or None); ``reserved`` if it holds a token from its fork."""
+        if forker is self:  # it waits for its own fork, and runs it
+            self._waits()
+            if reserved:
+                budget.give_back(now=True)
+            with self.lock:
+                self.running_own += 1
+                if self.elsewhere:  # it computes beside its other forks after all
+                    self._share(anyway=True)
+            return
+        with self.lock:
+            self.running += 1
+            self._recount(reserved)
+        if forker is not None:
+            forker.fork_taken()
+        if budget.per_thread:
+            budget.apply_here()
+
+    def task_ended(self, forker: Slot | None) -> None:
+        """The task started by the matching :meth:`task_started` ended."""
+        if forker is self:
+            with self.lock:
+                self.running_own -= 1
+        if forker is not None:
+            forker.fork_finished()
+        if forker is self:
+            return
+        with self.lock:
+            self.running -= 1
+            self._recount()
+            idle = not self.counted
+        if idle and budget.per_thread:
+            budget.restore_here()
+
+    # -- forks made by this slot's thread (a thread outside the pools) --
+
+    def forked(self, woken: bool) -> None:
+        """This thread forked a task; ``woken`` if an idle worker was woken for it."""
+        with self.lock:
+            self.forks_unfinished += 1
+            self.forked_at = time.monotonic()
+            if woken:
+                self._share()
+
+    def fork_taken(self) -> None:
+        """Another thread started one of this thread's forks."""
+        with self.lock:
+            self.elsewhere = True
+            self._share(anyway=self.running_own > 0)
+
+    def _share(self, anyway: bool = False) -> None:
+        # Called with self.lock held.
+        if (anyway or self.anticipates) and not self.sharing:
+            self.sharing = True
+            self._recount()
+
+    def fork_finished(self) -> None:
+        """One of this thread's forks ended, or was cancelled before it started."""
+        with self.lock:
+            self.forks_unfinished -= 1
+            if not self.forks_unfinished:
+                self.elsewhere = False
+                if self.sharing:
+                    self.sharing = False
+                    self._recount()
+
+    def _waits(self) -> None:
+        """This thread waits for a future: rule 3 learns how it forks."""
+        if self.forks_unfinished:
+            self.anticipates = time.monotonic() - self.forked_at >= WAITS_AT_ONCE
+
+    # -- the waiter protocol: this slot's thread blocks in Future.wait --
+
+    def blocked(self) -> None:
+        self._waits()
+        with self.lock:
+            counted, since = self.counted, self.counted_since
+            self.is_blocked = True
+            self._recount()
+        if counted and time.monotonic() - since < _future._BLOCKED_LONG:
+            budget.follow()  # it waits at once: its cores go to what it waits for
+
+    def blocked_long(self) -> None:
+        budget.follow()
+
+    def resumed(self) -> None:
+        with self.lock:
+            self.is_blocked = False
+            self._recount()
+
+
+_local = threading.local()  # .slot: this thread's Slot
+
+
+def this_thread() -> Slot:
+    """The calling thread's slot; a thread outside the pools gets one on
+    first use, registered as its waiter unless it has one."""
+    slot = _local.__dict__.get("slot")
+    if slot is None:
+        slot = _local.slot = Slot(is_worker=False)
+        if _future.get_waiter() is None:
+            _future.set_waiter(slot)
+    return slot
+
+
+def worker_slot() -> Slot:
+    """A new slot for the calling thread, a pool's worker (its pool is its waiter)."""
+    slot = _local.slot = Slot(is_worker=True)
+    return slot
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread survives in a child: nothing runs there yet,
+    # and the lock may have been held by a thread that is gone.
+    global _local
+    budget.lock = threading.Lock()
+    budget.tokens = deque()
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,90 @@
+"""``parallel_info``: the parallel settings in words, for people and bug reports."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+from . import _budget, _config, _parallel
+from ._budget import budget, cores
+from .backends import Backend, available_backends
+
+__all__ = ["parallel_info"]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def parallel_info() -> str:
+    """A report of the parallel settings, for people and bug reports.
+
+    Lists the backends (available and current), the interop workers, the
+    intra-op threads and how they were decided, the BLAS/OpenMP libraries
+    threadpoolctl sees with their thread counts, the environment variables
+    that set thread counts (and any that are set but ignored), and a warning
+    line for each setting that oversubscribes the cores.
+    """
+    n_cores = cores()
+    interop = _budget.get_num_interop_threads()
+    lines = [f"aiopar on {n_cores} cores (Python {platform.python_version()}, {sys.platform})"]
+    backend = _config.scoped_or_default()
+    current = backend.name if backend is not None else "thread"
+    lines.append(f"backends: {', '.join(available_backends())} (current: {current})")
+    if backend is not None:
+        workers = f"{backend.max_workers} on the current {backend.name!r} backend"
+    else:
+        workers = f"{interop} (the thread backend's default)"
+    lines.append(f"interop workers: {workers}; get_num_interop_threads() = {interop}")
+
+    intra = budget.target()
+    if budget.explicit is not None:
+        how = f"set by {budget.explicit_from}, kept whatever runs"
+    else:
+        how = f"budget: cores // running tasks, {budget.running} running now"
+    lines.append(f"intra-op threads: {intra} ({how})")
+    helpers = max(intra - 1, 0)
+    lines.append(
+        f"parallel_for: up to {_plural(intra, 'thread')} (the caller + "
+        f"{_plural(helpers, 'helper')}; {_parallel.helper_count()} started)"
+    )
+
+    libraries = budget.libraries()
+    lines.append("libraries (threadpoolctl):" if libraries else "libraries: none loaded")
+    for lib in libraries:
+        layer = lib.get("threading_layer")
+        lines.append(
+            f"  {lib['internal_api']} {lib.get('version') or '?'} ({lib['user_api']}"
+            f"{', ' + layer if layer else ''}): {_plural(lib['num_threads'], 'thread')}, "
+            f"{os.path.basename(lib['filepath'])}"
+        )
+    lines.append(
+        "environment: "
+        + ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in _budget.THREAD_ENV_VARS)
+    )
+    lines.extend(f"note: {why}" for why in budget.env_ignored)
+    lines.extend(f"WARNING: {w}" for w in _oversubscription(libraries, backend))
+    return "\n".join(lines)
+
+
+def _oversubscription(libraries: list[dict[str, Any]], backend: Backend | None) -> list[str]:
+    n_cores = cores()
+    warnings = []
+    workers = _budget.get_num_interop_threads()
+    if backend is not None and backend.name == "thread":
+        workers = backend.max_workers
+    if budget.explicit is not None and workers * budget.explicit > n_cores:
+        warnings.append(
+            f"{workers} interop workers x {budget.explicit} intra-op threads "
+            f"({budget.explicit_from}) = {workers * budget.explicit} threads on {n_cores} cores: "
+            f"forked tasks that use BLAS or parallel_for at the same time will oversubscribe; "
+            f"set_num_threads(None) restores the automatic budget"
+        )
+    for lib in libraries:
+        if lib["num_threads"] > n_cores:
+            warnings.append(
+                f"{lib['internal_api']} uses {lib['num_threads']} threads on {n_cores} cores"
+            )
+    return warnings

@@ -1,0 +1,174 @@
+"""Interpreter exit and Ctrl-C: what runs, what is cancelled, and that exit
+always ends. Each case runs in a child process with a timeout."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from helpers import run_python, start_python
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def wait_for_line(proc, text: str, timeout: float = 20) -> str:
+    """Read the child's stdout up to a line containing ``text``; return it all."""
+    deadline = time.monotonic() + timeout
+    read = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        read += line
+        if text in line:
+            return read
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"the child never printed {text!r}: {proc.communicate()}")
+
+
+def test_exit_finishes_a_coroutine_fork_a_thread_task_waits_for():
+    done = run_python(
+        """
+        import asyncio, aiopar
+
+        async def slow():
+            await asyncio.sleep(0.3)
+            return "coroutine"
+
+        def waits():
+            print(aiopar.fork(slow).wait(), "finished", flush=True)
+
+        aiopar.fork(waits)
+        """,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "coroutine finished\n"
+
+
+def test_exit_runs_the_coroutine_forks_still_queued_on_the_owned_loop():
+    done = run_python(
+        """
+        import asyncio, aiopar
+
+        async def step(i):
+            await asyncio.sleep(0.01)
+            print("ran", i, flush=True)
+
+        for i in range(5):
+            aiopar.fork(step, i)
+        """,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [f"ran {i}" for i in range(5)]
+
+
+def test_exit_says_what_it_waits_for_and_ctrl_c_ends_it_at_once():
+    proc = start_python(
+        """
+        import asyncio, aiopar
+
+        async def forever():
+            await asyncio.sleep(3600)
+
+        aiopar.fork(forever)
+        print("exiting", flush=True)
+        """
+    )
+    try:
+        wait_for_line(proc, "exiting")
+        deadline = time.monotonic() + 20
+        stderr_line = proc.stderr.readline()  # the report, a second into the wait
+        assert time.monotonic() < deadline
+        assert "aiopar: waiting for 1 running task to finish before exit" in stderr_line
+        assert "forever (coroutine)" in stderr_line
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert time.monotonic() - sent < 5
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+QUEUED_THEN_INTERRUPTED = """
+    import sys, time, aiopar
+
+    aiopar.set_num_interop_threads(2)
+
+    def say(line):  # one write per line: threads print at the same time
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
+
+    def task(i):
+        say(f"started {{i}}")
+        time.sleep(1.5)
+        say(f"finished {{i}}")
+
+    futs = [aiopar.fork(task, i) for i in range(20)]
+    print("waiting", flush=True)
+    {wait}
+"""
+
+
+@pytest.mark.parametrize(
+    "wait",
+    [
+        "aiopar.wait_all(futs)",
+        "futs[-1].wait(timeout=60)",
+        "for f in aiopar.as_completed(futs): pass",
+    ],
+)
+def test_ctrl_c_cancels_what_has_not_started_and_exit_waits_only_for_running_tasks(wait):
+    proc = start_python(QUEUED_THEN_INTERRUPTED.format(wait=wait))
+    try:
+        out = wait_for_line(proc, "waiting")
+        while out.count("started") < 2:  # the workers (or a worker and the main thread) run
+            out += wait_for_line(proc, "started")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+    out += rest
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in err
+    ran = {line.split()[1] for line in out.splitlines() if line.startswith("started")}
+    finished = {line.split()[1] for line in out.splitlines() if line.startswith("finished")}
+    assert len(ran) <= 3, f"tasks queued before Ctrl-C still ran: {out}"
+    # Only a task the main thread ran itself (wait_all runs queued ones) stops
+    # at Ctrl-C; exit waits for those running on workers.
+    assert len(ran - finished) <= 1 and finished, f"running tasks not waited for: {out}"
+    assert took < 10
+
+
+def test_a_second_ctrl_c_exits_without_waiting():
+    proc = start_python(
+        """
+        import time, aiopar
+
+        def task():
+            print("running", flush=True)
+            time.sleep(60)
+
+        fut = aiopar.fork(task)
+        fut2 = aiopar.fork(task)
+        fut.wait()
+        """
+    )
+    try:
+        wait_for_line(proc, "running")
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        while "aiopar: waiting for" not in proc.stderr.readline():  # after the traceback
+            assert time.monotonic() < deadline
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert time.monotonic() - sent < 5
+    finally:
+        proc.kill()
+        proc.communicate()
