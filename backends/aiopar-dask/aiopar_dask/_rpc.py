@@ -148,8 +148,8 @@ class _Link:
         self.connection: _wire.Connection = connection
         self.ids = itertools.count()
         self.lock = threading.Lock()
-        # call id -> (future, what was called)
-        self.pending: dict[int, tuple[aiopar.Future[Any], str]] = {}
+        # call id -> (future, what was called, its timeout's tick or None)
+        self.pending: dict[int, tuple[aiopar.Future[Any], str, int | None]] = {}
         self.broken: BaseException | None = None
         self.reader = threading.Thread(
             target=self._read, name=f"aiopar-rpc-link-{name}", daemon=True
@@ -161,17 +161,23 @@ class _Link:
             if self.broken is not None:
                 raise self.broken
             call_id = next(self.ids)
-            self.pending[call_id] = (future, what)
-        if timeout:
-            self.agent._timeouts.add(time.monotonic() + timeout, self, call_id, timeout)
+            tick = self.agent._timeouts.add(timeout, self, call_id) if timeout else None
+            self.pending[call_id] = (future, what, tick)
         try:
             self.connection.send(_wire.CALL, call_id, *frames)
         except OSError as exc:
             self.fail_all(exc)
 
     def pop(self, call_id: int) -> tuple[aiopar.Future[Any], str] | None:
+        """The call's future and name, unless it was settled already."""
         with self.lock:
-            return self.pending.pop(call_id, None)
+            entry = self.pending.pop(call_id, None)
+        if entry is None:
+            return None
+        future, what, tick = entry
+        if tick is not None:
+            self.agent._timeouts.discard(tick, self, call_id)
+        return future, what
 
     def _read(self) -> None:
         _wire_thread.active = True
@@ -189,25 +195,29 @@ class _Link:
         stopped = self.agent._stopped
         with self.lock:
             if self.broken is None:
-                self.broken = stopped or aiopar.BrokenWorkerError(
-                    f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it "
-                    f"broke ({type(exc).__name__}: {exc})"
-                )
-            pending, self.pending = self.pending, {}
+                self.broken = stopped or self._gone(exc, "")
+            call_ids = list(self.pending)
         self.agent._forget_link(self)
         self.connection.close()
-        for future, what in pending.values():
+        for call_id in call_ids:
+            entry = self.pop(call_id)
+            if entry is None:
+                continue
+            future, what = entry
             if stopped is not None:
                 error: BaseException = RuntimeError(
                     f"the call of {what} to {self.name!r} was pending when this peer shut down"
                 )
             else:
-                error = aiopar.BrokenWorkerError(
-                    f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it "
-                    f"broke while the call of {what} was pending ({type(exc).__name__}: {exc})"
-                )
+                error = self._gone(exc, f" while the call of {what} was pending")
             error.__cause__ = exc
             _fail(future, error)
+
+    def _gone(self, exc: BaseException, during: str) -> aiopar.BrokenWorkerError:
+        return aiopar.BrokenWorkerError(
+            f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it broke"
+            f"{during} ({type(exc).__name__}: {exc})"
+        )
 
 
 class _Timeouts:
@@ -216,25 +226,34 @@ class _Timeouts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._ticks: dict[int, list[tuple[_Link, int, float]]] = {}
+        # tick -> the calls due then: (link, call id) -> timeout
+        self._ticks: dict[int, dict[tuple[_Link, int], float]] = {}
         self._heap: list[int] = []
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def add(self, deadline: float, link: _Link, call_id: int, timeout: float) -> None:
-        tick = int(deadline / _TICK) + 1
+    def add(self, timeout: float, link: _Link, call_id: int) -> int:
+        """Fail the call after ``timeout`` s unless discarded first; return its tick."""
+        tick = int((time.monotonic() + timeout) / _TICK) + 1
         with self._lock:
-            entries = self._ticks.get(tick)
-            if entries is None:
-                entries = self._ticks[tick] = []
+            due = self._ticks.get(tick)
+            if due is None:
+                due = self._ticks[tick] = {}
                 heapq.heappush(self._heap, tick)
                 if self._heap[0] == tick:
                     self._wake.notify()
-            entries.append((link, call_id, timeout))
+            due[(link, call_id)] = timeout
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._run, name="aiopar-rpc-timeouts")
                 self._thread.daemon = True
                 self._thread.start()
+        return tick
+
+    def discard(self, tick: int, link: _Link, call_id: int) -> None:
+        with self._lock:
+            due = self._ticks.get(tick)
+            if due is not None:
+                due.pop((link, call_id), None)
 
     def _run(self) -> None:
         while True:
@@ -247,18 +266,17 @@ class _Timeouts:
                         due = self._ticks.pop(heapq.heappop(self._heap))
                         break
                     self._wake.wait(self._heap[0] * _TICK - now if self._heap else None)
-            for link, call_id, timeout in due:
-                entry = link.pop(call_id)
+            for (link, call_id), timeout in due.items():
+                with link.lock:
+                    entry = link.pending.pop(call_id, None)
                 if entry is not None:
-                    future, what = entry
-                    _fail(
-                        future,
-                        TimeoutError(
-                            f"the call of {what} to rpc peer {link.name!r} had no reply after "
-                            f"{timeout:g} s (pass timeout= to the call, or rpc_timeout to "
-                            f"init_rpc's options)"
-                        ),
+                    future, what, _ = entry
+                    error = TimeoutError(
+                        f"the call of {what} to rpc peer {link.name!r} had no reply after "
+                        f"{timeout:g} s (pass timeout= to the call, or rpc_timeout to "
+                        f"init_rpc's options)"
                     )
+                    _fail(future, error)
 
     def close(self) -> threading.Thread | None:
         with self._lock:

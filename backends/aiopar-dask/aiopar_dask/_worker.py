@@ -15,6 +15,7 @@ from typing import Any
 
 import distributed
 from distributed.threadpoolexecutor import secede as _leave_pool
+from distributed.threadpoolexecutor import thread_state as _pool_thread_state
 
 import aiopar
 from aiopar.backends import set_waiter
@@ -40,12 +41,12 @@ class Seceder:
         self._seceded = False
 
     def blocked(self) -> None:
-        if self._is_task and not self._seceded:
+        if self._is_task and not self._seceded and _in_dask_pool():
             distributed.secede()
             self._seceded = True
 
     def blocked_long(self) -> None:
-        if not self._seceded:
+        if not self._seceded and _in_dask_pool():
             _leave_pool()
             self._seceded = True
 
@@ -55,18 +56,26 @@ class Seceder:
             distributed.rejoin()  # blocks until the pool has a free slot
 
 
+def _in_dask_pool() -> bool:
+    """Whether this thread is one of a dask worker's pool (a task given to a
+    worker's other executors cannot leave or rejoin it)."""
+    return getattr(_pool_thread_state, "executor", None) is not None
+
+
 _nested: aiopar.Backend | None = None
+_nested_lock = threading.Lock()
 
 
 def _nested_backend() -> aiopar.Backend:
     """The backend of forks made inside tasks: this worker's cluster. It
     connects its client on the first such fork, not before."""
     global _nested
-    if _nested is None or _nested.closed:
-        from ._backend import DaskBackend
+    with _nested_lock:
+        if _nested is None or _nested.closed:
+            from ._backend import DaskBackend
 
-        _nested = DaskBackend(client=distributed.get_client)
-    return _nested
+            _nested = DaskBackend(client=distributed.get_client)
+        return _nested
 
 
 def _timing(t0: int, value: Any) -> tuple[Any, int, int, int, int, str]:
