@@ -36,7 +36,10 @@ __all__ = [
     "RpcEngine",
     "WorkerInfo",
     "current_agent",
+    "find_engine",
+    "is_async_execution",
     "run_callee",
+    "serve_peer",
     "set_current_agent",
 ]
 
