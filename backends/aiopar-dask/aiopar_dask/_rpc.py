@@ -159,7 +159,7 @@ class _Link:
     def call(self, future: aiopar.Future[Any], what: str, frames: Any, timeout: float) -> None:
         with self.lock:
             if self.broken is not None:
-                raise self.broken
+                raise aiopar.BrokenWorkerError(str(self.broken)) from self.broken
             call_id = next(self.ids)
             tick = self.agent._timeouts.add(timeout, self, call_id) if timeout else None
             self.pending[call_id] = (future, what, tick)
