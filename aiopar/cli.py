@@ -9,6 +9,8 @@
     inter-op parallelism, and a verdict read from those figures.
 ``aiopar bench``
     runs the suites in ``benchmarks/`` and shows their tables.
+``aiopar worker --scheduler ADDRESS --name NAME``
+    serves as the :mod:`aiopar.rpc` peer ``NAME`` of the cluster at ``ADDRESS``.
 
 Built on :mod:`argparse` and rich, both already at hand (the standard library
 and a core dependency): the command adds no dependency. Bad input gets one
@@ -92,7 +94,7 @@ def _build_parser() -> _Parser:
     )
     parser.add_argument("--version", action="version", version=f"aiopar {aiopar.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in (_add_info, _add_demo, _add_bench):
+    for add in (_add_info, _add_demo, _add_bench, _add_worker):
         add(commands)
     return parser
 
@@ -548,3 +550,37 @@ def run_bench(args: argparse.Namespace) -> int:
         )
     out.print(summary)
     return 1 if failed else 0
+
+
+# -- aiopar worker ------------------------------------------------------------
+
+
+def _add_worker(commands: Any) -> None:
+    worker = commands.add_parser(
+        "worker",
+        help="serve as an aiopar.rpc peer of a cluster",
+        description="Join the cluster whose scheduler is at ADDRESS as the aiopar.rpc peer "
+        "NAME, and serve calls until interrupted or the scheduler goes away. Needs an rpc "
+        "engine (pip install aiopar-dask).",
+    )
+    worker.add_argument("--scheduler", required=True, metavar="ADDRESS", help="tcp://host:port")
+    worker.add_argument("--name", required=True, help="this peer's unique name")
+    worker.add_argument(
+        "--rank", type=int, metavar="N", help="this peer's id (default: the smallest free one)"
+    )
+    worker.add_argument(
+        "--nthreads", type=_positive_int, default=16, metavar="N", help="calls run at once"
+    )
+    worker.set_defaults(run=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from .rpc import RpcBackendOptions
+    from .rpc.agent import serve_peer
+
+    options = RpcBackendOptions(num_worker_threads=args.nthreads)
+    try:
+        serve_peer(args.scheduler, args.name, args.rank, options)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise UsageError(f"aiopar worker: {exc}") from exc
+    return 0

@@ -83,6 +83,8 @@ def test_demo_quick_in_process(capsys):
 @pytest.mark.parametrize("backend", ["inline", "thread", "process", "openmp"])
 def test_demo_quick_on_every_backend(backend, capsys):
     assert main(["demo", "--quick", "--backend", backend]) == 0
+    if backend not in ("inline", "thread", "process", "openmp"):
+        aiopar.get_backend(backend).shutdown()  # a plugin's cluster (dask's) must not outlive it
     out = capsys.readouterr().out
     assert "forks on " + backend in out
     assert "matches the sequential run" in out

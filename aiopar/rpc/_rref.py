@@ -1,0 +1,271 @@
+"""RRef: a value that lives on one peer (its owner), used from any peer.
+
+The owner keeps each value in a table, under an id its creator picks, so
+``remote`` returns before the value exists. The table's functions below run
+on the owner through ordinary calls; the ones that wait for the value are
+``async_execution``, so a fetch that arrives before the value holds no
+thread. A value is dropped once the RRef that ``remote`` returned is collected (the
+creator tells the owner with its next call), unless a copy of it was sent to
+another peer; then it stays until the owner shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from .._future import Future
+from . import agent as _agent
+from .agent import WorkerInfo, run_callee
+from .functions import async_execution
+
+__all__ = ["RRef"]
+
+T = TypeVar("T")
+
+# -- the owner's side ------------------------------------------------------------
+
+_owned: dict[str, Future[Any]] = {}
+_owned_lock = threading.Lock()
+_prefix = uuid.uuid4().hex[:12]  # this process, in the ids of the RRefs it creates
+_counter = itertools.count()
+
+
+def _new_id() -> str:
+    return f"{_prefix}-{next(_counter)}"
+
+
+def _slot(rref_id: str) -> Future[Any]:
+    """The future of an owned value, made on first use (a fetch may come first)."""
+    with _owned_lock:
+        slot = _owned.get(rref_id)
+        if slot is None:
+            slot = _owned[rref_id] = Future()
+        return slot
+
+
+def _settle_from(source: Future[Any], target: Future[Any]) -> None:
+    try:
+        value = source.value()
+    except BaseException as exc:
+        target.set_exception(exc)
+    else:
+        target.set_result(value)
+
+
+def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    """Settle ``target`` with what callee ``fn`` gives (for a Future: once it is done)."""
+    try:
+        result = run_callee(fn, args, kwargs)
+    except BaseException as exc:
+        target.set_exception(exc)
+        return
+    if isinstance(result, Future):
+        result.add_done_callback(lambda done: _settle_from(done, target))
+    else:
+        target.set_result(result)
+
+
+def _create(rref_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    _run_into(_slot(rref_id), fn, args, kwargs)
+
+
+@async_execution
+def _fetch(rref_id: str) -> Future[Any]:
+    return _slot(rref_id)
+
+
+@async_execution
+def _call_method(rref_id: str, name: str, args: Any, kwargs: Any) -> Future[Any]:
+    result: Future[Any] = Future()
+
+    def call(value: Future[Any]) -> None:
+        try:
+            method = getattr(value.value(), name)
+        except BaseException as exc:
+            result.set_exception(exc)
+        else:
+            _run_into(result, method, args, kwargs)
+
+    _slot(rref_id).add_done_callback(call)
+    return result
+
+
+def _delete(rref_ids: list[str]) -> None:
+    with _owned_lock:
+        for rref_id in rref_ids:
+            _owned.pop(rref_id, None)
+
+
+_collected: deque[tuple[WorkerInfo, str]] = deque()  # RRefs collected here, by owner
+
+
+def send_collected(agent: _agent.RpcAgent) -> None:
+    """Tell the owners of the RRefs collected here to drop their values."""
+    by_owner: dict[WorkerInfo, list[str]] = {}
+    while _collected:
+        owner, rref_id = _collected.popleft()
+        by_owner.setdefault(owner, []).append(rref_id)
+    for owner, rref_ids in by_owner.items():
+        if owner.name == agent.worker_info.name:
+            _delete(rref_ids)
+            continue
+        with contextlib.suppress(Exception):  # the owner is gone, and its table with it
+            agent.call(owner, _delete, (rref_ids,), {}, 0).add_done_callback(_ignore_outcome)
+
+
+def forget_owned() -> None:
+    """Drop every value this process owns (at shutdown)."""
+    with _owned_lock:
+        _owned.clear()
+    _collected.clear()
+
+
+# -- the handle --------------------------------------------------------------------
+
+
+class RRef(Generic[T]):
+    """A reference to a value on its owner peer.
+
+    ``RRef(value)`` makes the current peer the owner of ``value``;
+    :func:`aiopar.rpc.remote` makes one on another peer. An RRef can be
+    passed in the arguments and results of rpc calls: every copy refers to
+    the same value.
+    """
+
+    __slots__ = ("__weakref__", "_created", "_id", "_owner", "_shared")
+
+    def __init__(self, value: T) -> None:
+        self._owner = _agent.current_agent().worker_info
+        self._id = _new_id()
+        self._created: Future[Any] | None = None
+        self._shared = False
+        _slot(self._id).set_result(value)
+
+    @classmethod
+    def _make(cls, owner: WorkerInfo, rref_id: str, created: Future[Any] | None) -> RRef[Any]:
+        rref = cls.__new__(cls)
+        rref._owner, rref._id, rref._created, rref._shared = owner, rref_id, created, False
+        return rref
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The owner can no longer tell when the last copy is gone.
+        self._shared = True
+        return (_rebuild, (self._owner, self._id))
+
+    def __repr__(self) -> str:
+        return f"RRef(owner={self._owner.name}, id={self._id})"
+
+    def __del__(self) -> None:
+        # The garbage collector may run this in any thread, holding any lock:
+        # only note the id here (deque.append takes no lock); the next call
+        # from this peer sends it (see send_collected).
+        if self._created is not None and not self._shared:
+            _collected.append((self._owner, self._id))
+
+    # -- where it lives -------------------------------------------------------------
+
+    def owner(self) -> WorkerInfo:
+        """The peer that holds the value."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        """The name of the peer that holds the value."""
+        return self._owner.name
+
+    def is_owner(self) -> bool:
+        """Whether this peer holds the value."""
+        return _agent.current_agent().worker_info.name == self._owner.name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner is known to have the value's entry (its creation call returned)."""
+        created = self._created
+        return created is None or (created.done() and created.exception() is None)
+
+    # -- the value -----------------------------------------------------------------
+
+    def local_value(self) -> T:
+        """The value itself, on the owner (waiting until it exists).
+
+        Raises RuntimeError on any other peer (use :meth:`to_here`), and the
+        exception that creating the value raised, if it did.
+        """
+        if not self.is_owner():
+            raise RuntimeError(
+                f"local_value() is for the owner of {self!r}, and this peer is "
+                f"{_agent.current_agent().worker_info.name!r}: call to_here() to copy it here"
+            )
+        self._raise_if_creation_failed()
+        return _slot(self._id).wait()
+
+    def to_here(self, timeout: float = -1) -> T:
+        """A copy of the value, fetched from the owner (the value itself on the owner).
+
+        Blocks until the value exists; raises what creating it raised,
+        TimeoutError after ``timeout`` seconds (-1: the default of
+        ``init_rpc``, 0 or None: no limit).
+        """
+        agent = _agent.current_agent()
+        seconds = _agent.check_timeout(timeout, agent.default_timeout)
+        if self.is_owner():
+            self._raise_if_creation_failed()
+            return _slot(self._id).wait(seconds or None)
+        return agent.call(self._owner, _fetch, (self._id,), {}, seconds).wait()
+
+    def _raise_if_creation_failed(self) -> None:
+        created = self._created
+        if created is not None and created.done() and created.exception() is not None:
+            created.value()
+
+    # -- calling its methods on the owner ---------------------------------------------
+
+    def rpc_sync(self, timeout: float = -1) -> Any:
+        """A proxy: ``rref.rpc_sync().method(*args)`` runs ``value.method(*args)``
+        on the owner and returns its result."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = -1) -> Any:
+        """A proxy whose method calls return an :class:`aiopar.Future` of the result."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = -1) -> Any:
+        """A proxy whose method calls return an RRef of the result, owned by this RRef's owner."""
+        return _Proxy(self, "remote", timeout)
+
+
+def _ignore_outcome(future: Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: an owner that is gone needs no delete
+
+
+def _rebuild(owner: WorkerInfo, rref_id: str) -> RRef[Any]:
+    return RRef._make(owner, rref_id, None)
+
+
+class _Proxy:
+    __slots__ = ("_kind", "_rref", "_timeout")
+
+    def __init__(self, rref: RRef[Any], kind: str, timeout: float) -> None:
+        self._rref, self._kind, self._timeout = rref, kind, timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        from . import _api
+
+        call = getattr(_api, self._kind)
+        rref, timeout = self._rref, self._timeout
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return call(
+                rref.owner(), _call_method, args=(rref._id, name, args, kwargs), timeout=timeout
+            )
+
+        method.__name__ = name
+        return method
+
+    def __repr__(self) -> str:
+        return f"<{self._kind} proxy of {self._rref!r}>"

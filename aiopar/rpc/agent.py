@@ -1,0 +1,266 @@
+"""What an rpc engine implements: the :class:`RpcAgent` of one peer process.
+
+``aiopar.rpc`` holds torch's names and semantics (RRefs, ``async_execution``,
+timeouts, argument checks); an agent carries calls between peers. A plugin
+distribution registers an :class:`RpcEngine` under the ``aiopar.rpc_agents``
+entry-point group::
+
+    [project.entry-points."aiopar.rpc_agents"]
+    dask = "aiopar_dask:rpc_engine"
+
+``init_rpc`` calls ``engine.start(name, rank, world_size, options)`` and
+makes the returned agent this process's current one; a peer that an engine
+starts by itself (a worker process) calls :func:`set_current_agent`. On the
+callee, the agent runs each incoming call through :func:`run_callee`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, NamedTuple, Protocol
+
+from .._api import wrap
+from .._future import Future
+
+__all__ = [
+    "DEFAULT_RPC_TIMEOUT",
+    "ENTRY_POINT_GROUP",
+    "RpcAgent",
+    "RpcBackendOptions",
+    "RpcEngine",
+    "WorkerInfo",
+    "current_agent",
+    "find_engine",
+    "is_async_execution",
+    "run_callee",
+    "serve_peer",
+    "set_current_agent",
+]
+
+ENTRY_POINT_GROUP = "aiopar.rpc_agents"
+
+#: torch.distributed.rpc's default: a call that has no reply after 60 s fails
+DEFAULT_RPC_TIMEOUT = 60.0
+
+
+class WorkerInfo(NamedTuple):
+    """A peer: its unique ``name`` and its ``id`` (the rank), as in torch."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RpcBackendOptions:
+    """How ``init_rpc`` joins or starts the peers (torch's options, plus what
+    an engine needs).
+
+    ``rpc_timeout`` is the default timeout of every call, in seconds (0: no
+    limit). ``init_method`` is the address of the scheduler to join (such as
+    ``"tcp://10.0.0.5:8786"``); None starts an embedded cluster on this
+    machine, listening on loopback only. ``num_worker_threads`` is how many
+    calls each peer this process starts runs at once (calls blocked in
+    ``wait`` and ``async_execution`` futures do not count). ``security`` is
+    passed to the engine (for dask, a ``distributed.Security`` with TLS).
+    """
+
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    init_method: str | None = None
+    num_worker_threads: int = 16
+    security: Any = None
+
+    def __post_init__(self) -> None:
+        timeout = self.rpc_timeout
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout >= 0:
+            raise ValueError(
+                f"rpc_timeout is a number of seconds >= 0 (0: no limit), got {timeout!r}"
+            )
+        if self.init_method is not None and not isinstance(self.init_method, str):
+            raise TypeError(
+                f"init_method is a scheduler address such as 'tcp://10.0.0.5:8786' or None, "
+                f"got {type(self.init_method).__name__}"
+            )
+        n = self.num_worker_threads
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_worker_threads must be a whole number >= 1, got {n!r}")
+
+
+#: torch's name for the options of its default backend
+TensorPipeRpcBackendOptions = RpcBackendOptions
+
+
+class RpcAgent(ABC):
+    """One peer's engine: it knows the peers and carries calls to them.
+
+    Every method may be called from any thread.
+    """
+
+    @property
+    @abstractmethod
+    def worker_info(self) -> WorkerInfo:
+        """This peer."""
+
+    @property
+    @abstractmethod
+    def default_timeout(self) -> float:
+        """Seconds a call may take when the caller gives no timeout (0: no limit)."""
+
+    @abstractmethod
+    def peer(self, to: str | int) -> WorkerInfo:
+        """The peer called ``to`` (a name) or ranked ``to`` (an id).
+
+        Raises ValueError naming the peers there are if there is none.
+        """
+
+    @abstractmethod
+    def peers(self) -> list[WorkerInfo]:
+        """Every peer, this one included, by id."""
+
+    @abstractmethod
+    def call(
+        self,
+        to: WorkerInfo,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+    ) -> Future[Any]:
+        """Run ``fn(*args, **kwargs)`` on ``to`` through :func:`run_callee`.
+
+        Returns at once. The future gets the value, or the callee's
+        exception with its type and remote traceback, or TimeoutError after
+        ``timeout`` seconds (0: never), or an error naming ``to`` soon after
+        that peer dies. Raises at once if the call cannot be sent (its
+        arguments do not pickle, the agent is shut down).
+        """
+
+    @abstractmethod
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        """Leave. With ``graceful``, first wait for this peer's outstanding
+        calls and for every other peer that joined to shut down too (for at
+        most ``timeout`` seconds, 0: no limit)."""
+
+
+class RpcEngine(Protocol):
+    """What a plugin registers: it starts this process's agent, or serves a peer."""
+
+    def start(
+        self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
+    ) -> RpcAgent:
+        """Make this process the peer ``name`` (see ``init_rpc``) and return its agent."""
+
+    def serve(
+        self, scheduler: str, name: str, rank: int | None, options: RpcBackendOptions
+    ) -> None:
+        """Run the peer ``name`` in this process until it is interrupted (``aiopar worker``)."""
+
+
+_current: RpcAgent | None = None
+_current_lock = threading.Lock()
+
+
+def current_agent() -> RpcAgent:
+    """This process's agent; RuntimeError before ``init_rpc``."""
+    agent = _current
+    if agent is None:
+        raise RuntimeError(
+            "RPC has not been initialized in this process: call aiopar.rpc.init_rpc(name, ...) "
+            "first"
+        )
+    return agent
+
+
+def set_current_agent(agent: RpcAgent | None) -> RpcAgent | None:
+    """Make ``agent`` this process's agent (None: no agent); return the previous one."""
+    global _current
+    with _current_lock:
+        previous, _current = _current, agent
+    return previous
+
+
+def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an incoming call in this thread and return what the agent replies with.
+
+    A :class:`aiopar.Future` (what an ``@async_execution`` function returns,
+    and what a coroutine function's coroutine is wrapped in) is not a value
+    to send: the agent replies with its outcome once it is done, from its
+    done-callback, holding no thread meanwhile. Raises what
+    ``fn`` raises, and TypeError if an ``@async_execution`` function returns
+    something else than a Future.
+    """
+    result = fn(*args, **kwargs)
+    if inspect.iscoroutine(result):
+        return wrap(result)  # a coroutine function: awaited on aiopar's loop thread
+    if not isinstance(result, Future) and is_async_execution(fn):
+        raise TypeError(
+            f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
+            f"return an aiopar.Future, but it returned {type(result).__name__}"
+        )
+    return result
+
+
+def is_async_execution(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` (a function, or a method bound to a class or an
+    instance) was decorated with ``@async_execution``."""
+    return getattr(fn, "_wrapped_async_rpc_function", None) is not None
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def check_timeout(timeout: object, default: float) -> float:
+    """A call's timeout in seconds (0: no limit): torch's -1 (the default),
+    None (no limit) or a number >= 0."""
+    if timeout is None:
+        return 0.0
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        if timeout == -1:
+            return default
+        if timeout >= 0 and not math.isnan(timeout):
+            return float(timeout)
+    raise ValueError(
+        f"timeout is a number of seconds >= 0 (0 or None: no limit; -1: the default set "
+        f"in init_rpc), got {timeout!r}"
+    )
+
+
+def find_engine(backend: str | None = None) -> RpcEngine:
+    """The engine registered as ``backend`` (dask, or the only one, if None)."""
+    found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if not found:
+        raise RuntimeError(
+            "aiopar.rpc needs an engine to carry its calls, and none is installed: "
+            "pip install aiopar-dask (it runs the peers on dask.distributed)"
+        )
+    if backend is None:
+        backend = "dask" if "dask" in found or len(found) > 1 else next(iter(found))
+    if backend not in found:
+        raise ValueError(
+            f"no rpc engine called {backend!r} is installed; installed: {', '.join(sorted(found))}"
+        )
+    return found[backend].load()
+
+
+def serve_peer(
+    scheduler: str,
+    name: str,
+    rank: int | None = None,
+    options: RpcBackendOptions | None = None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Run this process as the peer ``name`` of the cluster at ``scheduler``
+    until it is interrupted (what ``aiopar worker`` does)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name is the peer's name, a non-empty string, got {name!r}")
+    find_engine(backend).serve(scheduler, name, rank, options or RpcBackendOptions())

@@ -1,0 +1,107 @@
+"""What runs inside a dask worker: the task wrapper and its thread's waiter.
+
+A forked task runs under ``use_backend`` of the worker's own client, so the
+forks it makes go to the cluster too, and with a :class:`Seceder` as its
+thread's waiter, so waiting on them gives the thread back to the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import distributed
+from distributed.threadpoolexecutor import secede as _leave_pool
+from distributed.threadpoolexecutor import thread_state as _pool_thread_state
+
+import aiopar
+from aiopar.backends import set_waiter
+
+__all__ = ["Seceder", "run_task", "run_task_async"]
+
+
+class Seceder:
+    """Waiter of a dask worker thread: it leaves the worker's thread pool while
+    it is blocked in ``wait()`` and rejoins after, so a 1-thread worker whose
+    task waits on a task of its own still runs that task.
+
+    A dask task secedes as soon as it blocks (what it waits for is at least a
+    scheduler round trip away, and the scheduler must learn that the slot is
+    free); an rpc call secedes only once it has been blocked for 0.1 s, since
+    most nested calls are answered sooner than a thread is replaced.
+    """
+
+    __slots__ = ("_is_task", "_seceded")
+
+    def __init__(self, is_task: bool) -> None:
+        self._is_task = is_task
+        self._seceded = False
+
+    def blocked(self) -> None:
+        if self._is_task and not self._seceded and _in_dask_pool():
+            distributed.secede()
+            self._seceded = True
+
+    def blocked_long(self) -> None:
+        if not self._seceded and _in_dask_pool():
+            _leave_pool()
+            self._seceded = True
+
+    def resumed(self) -> None:
+        if self._seceded:
+            self._seceded = False
+            distributed.rejoin()  # blocks until the pool has a free slot
+
+
+def _in_dask_pool() -> bool:
+    """Whether this thread is one of a dask worker's pool (a task given to a
+    worker's other executors cannot leave or rejoin it)."""
+    return getattr(_pool_thread_state, "executor", None) is not None
+
+
+_nested: aiopar.Backend | None = None
+_nested_lock = threading.Lock()
+
+
+def _nested_backend() -> aiopar.Backend:
+    """The backend of forks made inside tasks: this worker's cluster. It
+    connects its client on the first such fork, not before."""
+    global _nested
+    with _nested_lock:
+        if _nested is None or _nested.closed:
+            from ._backend import DaskBackend
+
+            _nested = DaskBackend(client=distributed.get_client)
+        return _nested
+
+
+def _timing(t0: int, value: Any) -> tuple[Any, int, int, int, int, str]:
+    worker = distributed.get_worker()
+    return value, t0, time.time_ns(), os.getpid(), threading.get_native_id(), worker.name
+
+
+def run_task(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timed: bool
+) -> Any:
+    """Run a forked call in a dask worker thread (with wall-clock times if ``timed``)."""
+    t0 = time.time_ns() if timed else 0
+    previous = set_waiter(Seceder(is_task=True))
+    try:
+        with aiopar.use_backend(_nested_backend()):
+            value = fn(*args, **kwargs)
+    finally:
+        set_waiter(previous)
+    return _timing(t0, value) if timed else value
+
+
+async def run_task_async(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timed: bool
+) -> Any:
+    """Await a forked coroutine function on the dask worker's event loop."""
+    t0 = time.time_ns() if timed else 0
+    with aiopar.use_backend(_nested_backend()):
+        value = await fn(*args, **kwargs)
+    return _timing(t0, value) if timed else value

@@ -1,0 +1,226 @@
+"""aiopar on dask against raw dask.distributed, and aiopar.rpc against torch.distributed.rpc.
+
+Rows, each measured in this one run; where two contenders share a cluster
+they take turns round by round (so they see the same machine load) and each
+gets its median:
+
+- fork, sequential: fork a no-op and wait, repeat; raw dask:
+  ``client.submit(noop, pure=False).result()`` on the same client;
+- fork, batched: fork N no-ops, then wait for all; raw dask: N submits, then
+  ``client.gather``;
+- fork, 100 MB argument: a 100 MB float64 array as the argument (the task
+  returns a number); raw dask: the same submit;
+- rpc_sync of a no-op between two processes; torch: ``rpc_sync`` over
+  TensorPipe between two local processes (when torch is installed). The
+  no-op is ``int`` (``int()`` is 0), which both pickle by reference: a
+  function defined in a script's ``__main__`` travels by value
+  (cloudpickle, about 30 us a call here), as it does with dask;
+- rpc_async, 2,000 in flight: 2,000 no-op calls, then wait for all;
+- rpc_sync, 100 MB argument, against dask's own transfer of the same array
+  (the fork row's raw dask time).
+
+The dask cluster has one worker process with one thread; the rpc peers are
+this process and one worker process. Everything listens on 127.0.0.1.
+
+Run: ``python backends/aiopar-dask/benchmarks/dask_vs.py [--rounds 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import distributed
+import numpy as np
+from aiopar_dask import DaskBackend
+
+import aiopar
+from aiopar import rpc
+
+MB = 1_000_000
+IN_FLIGHT = 2000
+
+
+def noop(x: Any = None) -> None:
+    return None
+
+
+def nbytes(a: np.ndarray) -> int:
+    return a.nbytes
+
+
+def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median seconds of each run, the runs taking turns round by round."""
+    for run in runs.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def fork_rows(rounds: int, array: np.ndarray) -> list[tuple[str, str, float]]:
+    backend = DaskBackend(n_workers=1, threads_per_worker=1)
+    client = backend.client
+    seq, batch = 50, 500
+
+    def aiopar_seq() -> None:
+        for i in range(seq):
+            backend.fork(noop, i).wait()
+
+    def dask_seq() -> None:
+        for i in range(seq):
+            client.submit(noop, i, pure=False).result()
+
+    def aiopar_batch() -> None:
+        aiopar.wait_all([backend.fork(noop, i) for i in range(batch)])
+
+    def dask_batch() -> None:
+        client.gather([client.submit(noop, i, pure=False) for i in range(batch)])
+
+    rows = []
+    for name, t in median_times({"aiopar": aiopar_seq, "dask": dask_seq}, rounds).items():
+        rows.append(("fork, sequential", name, t / seq))
+    for name, t in median_times({"aiopar": aiopar_batch, "dask": dask_batch}, rounds).items():
+        rows.append(("fork, batched", name, t / batch))
+    runs = {
+        "aiopar": lambda: backend.fork(nbytes, array).wait(),
+        "dask": lambda: client.submit(nbytes, array, pure=False).result(),
+    }
+    for name, t in median_times(runs, rounds).items():
+        rows.append(("fork, 100 MB argument", name, t))
+    backend.shutdown()
+    return rows
+
+
+def rpc_rows(rounds: int, array: np.ndarray) -> list[tuple[str, str, float]]:
+    rpc.init_rpc("worker0", world_size=2)
+    seq = 500
+
+    def sync() -> None:
+        for _ in range(seq):
+            rpc.rpc_sync("worker1", int)
+
+    def in_flight() -> None:
+        aiopar.wait_all([rpc.rpc_async("worker1", int) for _ in range(IN_FLIGHT)])
+
+    times = median_times(
+        {
+            "sync": sync,
+            "async": in_flight,
+            "array": lambda: rpc.rpc_sync("worker1", len, args=(array,)),
+        },
+        rounds,
+    )
+    rpc.shutdown()
+    return [
+        ("rpc_sync, no-op", "aiopar", times["sync"] / seq),
+        (f"rpc_async, {IN_FLIGHT:,} in flight", "aiopar", times["async"] / IN_FLIGHT),
+        ("rpc_sync, 100 MB argument", "aiopar", times["array"]),
+    ]
+
+
+_TORCH_PEER = """
+import json, os, statistics, sys, time
+import torch
+import torch.distributed.rpc as rpc
+
+def main(rank, rounds, seq, in_flight):
+    options = rpc.TensorPipeRpcBackendOptions(init_method=os.environ["INIT_METHOD"])
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        def sync():
+            for _ in range(seq):
+                rpc.rpc_sync("worker1", int)
+        def flight():
+            torch.futures.wait_all([rpc.rpc_async("worker1", int) for _ in range(in_flight)])
+        out = {}
+        for name, run in (("sync", sync), ("async", flight)):
+            run()
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            out[name] = statistics.median(times)
+        print(json.dumps(out))
+    rpc.shutdown()
+
+if __name__ == "__main__":
+    main(*map(int, sys.argv[1:]))
+"""
+
+
+def torch_rows(rounds: int) -> list[tuple[str, str, float]]:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "INIT_METHOD": f"tcp://127.0.0.1:{port}"}
+    seq = 500
+    script = textwrap.dedent(_TORCH_PEER)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank), str(rounds), str(seq), str(IN_FLIGHT)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in (1, 0)
+    ]
+    out = procs[1].communicate(timeout=600)[0]
+    procs[0].wait(timeout=60)
+    times = json.loads(out)
+    return [
+        ("rpc_sync, no-op", "torch", times["sync"] / seq),
+        (f"rpc_async, {IN_FLIGHT:,} in flight", "torch", times["async"] / IN_FLIGHT),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per row")
+    rounds = parser.parse_args().rounds
+    array = np.random.default_rng(0).random(100 * MB // 8)  # 100 MB of float64
+
+    rows = fork_rows(rounds, array) + rpc_rows(rounds, array) + torch_rows(rounds)
+    by = {(row, name): t for row, name, t in rows}
+    # what each aiopar row is compared with
+    anchors = {
+        "fork, sequential": ("dask", "fork, sequential"),
+        "fork, batched": ("dask", "fork, batched"),
+        "fork, 100 MB argument": ("dask", "fork, 100 MB argument"),
+        "rpc_sync, no-op": ("torch", "rpc_sync, no-op"),
+        f"rpc_async, {IN_FLIGHT:,} in flight": ("torch", f"rpc_async, {IN_FLIGHT:,} in flight"),
+        "rpc_sync, 100 MB argument": ("dask", "fork, 100 MB argument"),
+    }
+    print(f"distributed {distributed.__version__}, {os.cpu_count()} cores, {rounds} rounds")
+    print(f"{'row':34} {'contender':10} {'per call':>12} {'aiopar / anchor':>16}")
+    print("-" * 75)
+    for row, name, seconds in rows:
+        per_call = f"{seconds * 1e6:9.1f} us" if seconds < 0.01 else f"{seconds * 1e3:9.2f} ms"
+        ratio = ""
+        if name == "aiopar" and row in anchors:
+            anchor = by.get((anchors[row][1], anchors[row][0]))
+            if anchor:
+                ratio = f"{seconds / anchor:9.2f}x {anchors[row][0]}"
+        print(f"{row:34} {name:10} {per_call:>12} {ratio:>16}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""The "dask" backend: the same Future on a cluster, loopback only, nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+
+import dask
+import distributed
+import numpy as np
+import pytest
+from aiopar_dask import DaskBackend
+from dask_helpers import aiopar_threads, child_pids, listening_addresses
+
+import aiopar
+from aiopar.profiler import profile
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def inproc():
+    """One worker thread in this process: for the semantics that need no pickling."""
+    backend = DaskBackend(n_workers=1, threads_per_worker=1, processes=False)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def procs():
+    """One worker process with one thread: pickling, nesting, remote tracebacks."""
+    backend = DaskBackend(n_workers=1, threads_per_worker=1)
+    yield backend
+    backend.shutdown()
+
+
+# -- functions the workers run ---------------------------------------------------
+
+calls: list[str] = []
+
+
+def record_call(tag: str) -> str:
+    calls.append(tag)
+    return tag
+
+
+def double(x):
+    return 2 * x
+
+
+def sleep_then(seconds: float, value):
+    time.sleep(seconds)
+    return value
+
+
+def fail_deep():
+    def inner_helper():
+        raise ValueError("the task failed on purpose")
+
+    inner_helper()
+
+
+def countdown(n: int) -> int:
+    """Forks itself and waits, n deep: each level blocks the worker's only thread."""
+    if n == 0:
+        return os.getpid()
+    return aiopar.fork(countdown, n - 1).wait()
+
+
+async def on_worker_loop(x):
+    await asyncio.sleep(0.01)
+    worker = distributed.get_worker()
+    return x + 1, asyncio.get_running_loop() is worker.loop.asyncio_loop
+
+
+def array_sum(a: np.ndarray) -> float:
+    return float(a.sum())
+
+
+# -- the basics ----------------------------------------------------------------------
+
+
+def test_registered_as_a_plugin():
+    assert "dask" in aiopar.available_backends()
+
+
+def test_fork_wait_await_then(inproc):
+    with aiopar.use_backend(inproc):
+        assert aiopar.fork(double, 21).wait() == 42
+        assert aiopar.fork(double, 5).then(lambda f: f.value() + 1).wait() == 11
+
+        async def main():
+            return await aiopar.fork(double, 4)
+
+        assert asyncio.run(main()) == 8
+        assert aiopar.wait_all([aiopar.fork(double, i) for i in range(20)]) == [
+            2 * i for i in range(20)
+        ]
+
+
+def test_never_deduplicates(inproc):
+    calls.clear()
+    futures = [inproc.fork(record_call, "same") for _ in range(3)]
+    assert aiopar.wait_all(futures) == ["same"] * 3
+    assert calls == ["same"] * 3  # dask's pure=True default would have run it once
+
+
+def test_exception_keeps_type_and_remote_traceback(procs):
+    with pytest.raises(ValueError, match="on purpose") as info:
+        procs.fork(fail_deep).wait()
+    text = "".join(traceback.format_exception(info.value))
+    assert "inner_helper" in text  # the frames from the worker process
+
+
+def test_arguments_and_results_cross_processes(procs):
+    a = np.arange(1_000_000, dtype=np.float64)
+    assert procs.fork(array_sum, a).wait() == a.sum()
+    assert procs.fork(lambda x: x[::-1], a).wait()[0] == a[-1]  # a lambda: cloudpickle
+
+
+def test_coroutine_function_runs_on_the_worker_loop(procs):
+    assert procs.fork(on_worker_loop, 1).wait() == (2, True)
+
+
+def test_nested_fork_and_wait_never_deadlock_a_one_thread_worker(procs):
+    # Raw dask deadlocks here: the parent holds the only thread, the child waits for it.
+    assert procs.fork(countdown, 4).wait() in child_pids()
+
+
+def test_then_callbacks_may_block_on_other_forks(inproc):
+    chained = inproc.fork(double, 1).then(lambda f: inproc.fork(double, f.value()).wait())
+    assert chained.wait(timeout=20) == 4
+
+
+def test_cancel_maps_to_dask_cancel(inproc):
+    calls.clear()
+    busy = inproc.fork(sleep_then, 0.5, "busy")  # holds the only worker thread
+    queued = inproc.fork(record_call, "queued")
+    assert queued.cancel()
+    assert queued.cancelled()
+    with pytest.raises(aiopar.CancelledError):
+        queued.wait()
+    assert busy.wait() == "busy"
+    time.sleep(0.2)
+    assert calls == []  # the cancelled task never ran
+
+
+def test_profiler_shows_a_row_per_dask_worker(procs):
+    with profile() as prof:
+        procs.fork(sleep_then, 0.05, None).wait()
+    (record,) = prof.records
+    assert record.worker.pid in child_pids()
+    assert record.worker.name.startswith("dask worker")
+    assert record.fork_ns <= record.start_ns < record.end_ns
+    trace = prof.chrome_trace()
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert any(name.startswith("dask worker") for name in names)
+    json.dumps(trace)
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"n_workers": 0}, ValueError, "n_workers must be a whole number >= 1"),
+        ({"address": "tcp://127.0.0.1:1", "n_workers": 2}, ValueError, "sizes the embedded"),
+        ({"address": 8786}, TypeError, "scheduler address"),
+        ({"client": "tcp://127.0.0.1:1"}, TypeError, "distributed.Client"),
+        ({"processes": "yes"}, TypeError, "True or False"),
+        ({"security": {"tls": True}}, TypeError, "distributed.Security"),
+    ],
+)
+def test_bad_options_fail_at_once(options, error, words):
+    with pytest.raises(error, match=words):
+        DaskBackend(**options)
+
+
+def test_fork_after_shutdown_says_so():
+    backend = DaskBackend(n_workers=1, threads_per_worker=1, processes=False)
+    backend.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        backend.fork(double, 1)
+
+
+# -- clusters: where they listen, what they leave behind ------------------------------------
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["in-process", "processes"])
+def test_embedded_cluster_listens_on_loopback_only(processes):
+    before = child_pids()
+    backend = DaskBackend(n_workers=1, threads_per_worker=1, processes=processes)
+    try:
+        assert backend.fork(double, 1).wait() == 2
+        pids = {os.getpid(), *(child_pids() - before)}
+        assert listening_addresses(pids) == {"127.0.0.1"}
+    finally:
+        backend.shutdown()
+
+
+def test_shutdown_leaves_no_process_or_thread_behind():
+    children, threads = child_pids(), aiopar_threads()
+    backend = DaskBackend(n_workers=1, threads_per_worker=1)
+    assert backend.fork(double, 3).then(lambda f: f.value()).wait() == 6
+    backend.shutdown()
+    deadline = time.monotonic() + 10
+    while child_pids() - children and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child_pids() - children == set()
+    assert aiopar_threads() - threads == set()
+
+
+def test_shutdown_runs_or_cancels_what_is_pending():
+    backend = DaskBackend(n_workers=1, threads_per_worker=1, processes=False)
+    running = backend.fork(sleep_then, 0.3, "ran")
+    backend.shutdown(wait=True)
+    assert running.value() == "ran"
+
+    backend = DaskBackend(n_workers=1, threads_per_worker=1, processes=False)
+    first = backend.fork(sleep_then, 0.3, "first")
+    queued = backend.fork(sleep_then, 0.3, "queued")
+    backend.shutdown(wait=True, cancel_pending=True)
+    assert first.done() and queued.done()
+    assert queued.cancelled()
+
+
+def test_a_users_client_stays_open():
+    with (
+        distributed.LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster, set_as_default=False) as client,
+    ):
+        backend = DaskBackend(client=client)
+        assert backend.fork(double, 2).wait() == 4
+        backend.shutdown()
+        assert client.status == "running"
+        assert client.submit(double, 3).result() == 6
+
+
+def test_a_scheduler_address():
+    with distributed.LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        processes=False,
+        host="127.0.0.1",
+        protocol="tcp://",
+        dashboard_address="127.0.0.1:0",
+    ) as cluster:
+        with aiopar.use_backend("dask", address=cluster.scheduler_address) as backend:
+            assert aiopar.fork(double, 8).wait() == 16
+            assert backend.max_workers == 1
+        backend.shutdown()
+
+
+def test_a_worker_that_keeps_dying_raises_broken_worker_error():
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        backend = DaskBackend(n_workers=1, threads_per_worker=1)
+    try:
+        with pytest.raises(aiopar.BrokenWorkerError, match="died"):
+            backend.fork(os._exit, 1).wait(timeout=30)
+        assert backend.fork(double, 5).wait(timeout=30) == 10  # the nanny replaced it
+    finally:
+        backend.shutdown()
+
+
+def test_interpreter_exit_runs_pending_work(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import time, aiopar
+
+        def touch(path):
+            time.sleep(0.3)
+            open(path, "w").close()
+
+        if __name__ == "__main__":
+            with aiopar.use_backend("dask", n_workers=1, threads_per_worker=1, processes=False):
+                aiopar.fork(touch, {str(tmp_path / "ran")!r})
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ran").exists()
+
+
+def test_settler_threads_hand_over_while_a_callback_blocks(inproc):
+    gate: aiopar.Future[None] = aiopar.Future()
+    blocked = inproc.fork(double, 1).then(lambda f: (gate.wait(10), f.value())[1])
+    # Another result settles while the first callback is still blocked.
+    assert inproc.fork(double, 2).wait(timeout=10) == 4
+    gate.set_result(None)
+    assert blocked.wait(timeout=10) == 2
+
+
+def test_tls_through_dasks_security():
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    backend = DaskBackend(
+        n_workers=1, threads_per_worker=1, security=distributed.Security.temporary()
+    )
+    try:
+        assert backend.client.scheduler.address.startswith("tls://")
+        assert backend.fork(double, 4).wait() == 8
+    finally:
+        backend.shutdown()

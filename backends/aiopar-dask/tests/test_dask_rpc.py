@@ -1,0 +1,248 @@
+"""aiopar.rpc on dask: torch's examples across real processes, one thread per peer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import traceback
+
+import distributed
+import numpy as np
+import pytest
+from aiopar_dask import DaskBackend
+from dask_helpers import child_pids, listening_addresses
+
+import aiopar
+from aiopar import rpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """This process is worker0; worker1 and worker2 are processes with one thread each."""
+    before = child_pids()
+    rpc.init_rpc(
+        "worker0", world_size=3, rpc_backend_options=rpc.RpcBackendOptions(num_worker_threads=1)
+    )
+    yield child_pids() - before
+    rpc.shutdown()
+
+
+# -- what the peers run (imported by name in the worker processes) -------------------------
+
+
+def whoami() -> tuple[str, int]:
+    return rpc.get_worker_info().name, os.getpid()
+
+
+def fail_deep():
+    def inner_helper():
+        raise ValueError("the callee failed on purpose")
+
+    inner_helper()
+
+
+@rpc.functions.async_execution
+def async_add_chained(to, x, y, z):
+    # torch's first async_execution example, numpy in place of torch
+    return rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+@rpc.functions.async_execution
+def async_add(to, x, y):
+    # torch's TorchScript example, without TorchScript
+    return rpc.rpc_async(to, np.add, (x, y))
+
+
+class AsyncExecutionClass:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async_add(to, x, y, z):
+        return rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_async_add(cls, to, x, y, z):
+        ret_fut = aiopar.Future()
+        rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: ret_fut.set_result(fut.wait() + z))
+        return ret_fut
+
+    @rpc.functions.async_execution
+    def bound_async_add(self, to, x, y, z):
+        return rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    def value(self) -> int:
+        return self.n
+
+
+@rpc.functions.async_execution
+def after_timer(seconds: float, value):
+    """Replies after ``seconds`` without holding the callee's thread."""
+    fut: aiopar.Future = aiopar.Future()
+    threading.Timer(seconds, fut.set_result, args=(value,)).start()
+    return fut
+
+
+def nested_sync(to: str, depth: int) -> int:
+    """A chain of blocking rpc_sync calls between one-thread peers."""
+    if depth == 0:
+        return 0
+    back = "worker2" if to == "worker1" else "worker1"
+    return rpc.rpc_sync(to, nested_sync, args=(back, depth - 1)) + 1
+
+
+def fork_on_dask(x: int) -> int:
+    with aiopar.use_backend("dask", client=distributed.get_client()):
+        return aiopar.fork(np.square, x).wait()
+
+
+async def coroutine_add(a, b):
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+def unpicklable_result():
+    return threading.Lock()
+
+
+# -- calls -----------------------------------------------------------------------------------
+
+
+def test_peers_are_named_as_torch_names_them(peers):
+    assert rpc.get_worker_info() == rpc.WorkerInfo("worker0", 0)
+    assert rpc.get_worker_info("worker2") == rpc.WorkerInfo("worker2", 2)
+    names = {rpc.rpc_sync(f"worker{r}", whoami)[0] for r in range(3)}
+    assert names == {"worker0", "worker1", "worker2"}
+    assert rpc.rpc_sync("worker1", whoami)[1] in peers  # a process of its own
+    assert rpc.rpc_sync("worker0", whoami)[1] == os.getpid()  # this process is a peer too
+
+
+def test_rpc_async_is_an_aiopar_future(peers):
+    fut = rpc.rpc_async("worker1", np.add, args=(1, 2))
+    assert isinstance(fut, aiopar.Future)
+    assert fut.then(lambda f: f.value() * 10).wait() == 30
+
+    async def main():
+        return await rpc.rpc_async(1, np.multiply, args=(3, 4))
+
+    assert asyncio.run(main()) == 12
+
+
+def test_arrays_cross_processes(peers):
+    a = np.arange(1_000_000, dtype=np.float64)
+    b = rpc.rpc_sync("worker1", np.multiply, args=(a, 2))
+    np.testing.assert_array_equal(b, 2 * a)
+    b[0] = 7.0  # a result is writeable, as a local one would be
+
+
+def test_torch_async_execution_examples(peers):
+    ret = rpc.rpc_sync("worker1", async_add_chained, args=("worker2", np.ones(2), 1, 1))
+    np.testing.assert_array_equal(ret, [3.0, 3.0])
+    ret = rpc.rpc_sync("worker1", async_add, args=("worker2", np.ones(2), 1))
+    np.testing.assert_array_equal(ret, [2.0, 2.0])
+    for method in (AsyncExecutionClass.static_async_add, AsyncExecutionClass.class_async_add):
+        ret = rpc.rpc_sync("worker1", method, args=("worker2", np.ones(2), 1, 2))
+        np.testing.assert_array_equal(ret, [4.0, 4.0])
+    rref = rpc.remote("worker1", AsyncExecutionClass)
+    ret = rref.rpc_sync().static_async_add("worker2", np.ones(2), 1, 2)
+    np.testing.assert_array_equal(ret, [4.0, 4.0])
+    rref = rpc.remote("worker1", AsyncExecutionClass)
+    ret = rref.rpc_async().static_async_add("worker2", np.ones(2), 1, 2).wait()
+    np.testing.assert_array_equal(ret, [4.0, 4.0])
+    rref = rpc.remote("worker1", AsyncExecutionClass)
+    ret = rref.remote().static_async_add("worker2", np.ones(2), 1, 2).to_here()
+    np.testing.assert_array_equal(ret, [4.0, 4.0])
+    ret = rref.rpc_sync().bound_async_add("worker2", np.ones(2), 1, 2)
+    np.testing.assert_array_equal(ret, [4.0, 4.0])
+
+
+def test_async_execution_holds_no_callee_thread(peers):
+    # worker1 has one thread: 100 calls that each held it for 0.5 s would take 50 s.
+    start = time.monotonic()
+    futures = [rpc.rpc_async("worker1", after_timer, args=(0.5, i)) for i in range(100)]
+    assert aiopar.wait_all(futures) == list(range(100))
+    assert time.monotonic() - start < 10
+
+
+def test_blocking_calls_nested_across_one_thread_peers_finish(peers):
+    assert rpc.rpc_sync("worker1", nested_sync, args=("worker2", 6)) == 6
+
+
+def test_rref(peers):
+    rref = rpc.remote("worker1", Counter, args=(1,))
+    assert rref.owner() == rpc.WorkerInfo("worker1", 1)
+    assert rref.owner_name() == "worker1"
+    assert not rref.is_owner()
+    assert rref.rpc_sync().add(5) == 6
+    assert rref.rpc_async().value().wait() == 6
+    assert rref.remote().value().to_here() == 6
+    assert rref.to_here(timeout=10).n == 6
+    with pytest.raises(RuntimeError, match="to_here"):
+        rref.local_value()
+    # An RRef passed to its owner is the owner's value itself.
+    assert rpc.rpc_sync("worker1", local_n, args=(rref,)) == 6
+
+
+def local_n(rref: rpc.RRef[Counter]) -> int:
+    return rref.local_value().n
+
+
+def test_a_coroutine_function_is_awaited_on_the_callee(peers):
+    assert rpc.rpc_sync("worker2", coroutine_add, args=(2, 3)) == 5
+
+
+def test_forks_inside_a_peer_run_on_its_cluster(peers):
+    assert rpc.rpc_sync("worker1", fork_on_dask, args=(7,)) == 49
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+def test_an_unknown_peer_raises_at_once_listing_the_peers(peers):
+    with pytest.raises(ValueError, match="worker0 \\(id 0\\), worker1 \\(id 1\\), worker2"):
+        rpc.rpc_async("worker9", whoami)
+    with pytest.raises(ValueError, match="with id 7"):
+        rpc.rpc_async(7, whoami)
+
+
+def test_callee_exception_keeps_type_and_remote_traceback(peers):
+    with pytest.raises(ValueError, match="on purpose") as info:
+        rpc.rpc_sync("worker2", fail_deep)
+    text = "".join(traceback.format_exception(info.value))
+    assert "inner_helper" in text
+    assert "rpc peer 'worker2'" in text
+
+
+def test_a_call_times_out(peers):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no reply after 0\.3 s"):
+        rpc.rpc_sync("worker2", after_timer, args=(5, None), timeout=0.3)
+    assert time.monotonic() - start < 3
+
+
+def test_what_does_not_pickle_fails_clearly(peers):
+    with pytest.raises(TypeError, match="cannot be sent"):
+        rpc.rpc_async("worker1", whoami, args=(threading.Lock(),))
+    with pytest.raises(TypeError, match="cannot be sent back"):
+        rpc.rpc_sync("worker1", unpicklable_result)
+
+
+def test_the_embedded_cluster_listens_on_loopback_only(peers):
+    assert listening_addresses({os.getpid(), *peers}) == {"127.0.0.1"}
+
+
+def test_the_dask_backend_and_rpc_coexist(peers):
+    with DaskBackend(n_workers=1, threads_per_worker=1, processes=False) as backend:
+        assert backend.fork(rpc.rpc_sync, "worker1", np.add, args=(1, 1)).wait() == 2

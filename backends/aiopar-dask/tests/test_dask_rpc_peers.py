@@ -1,0 +1,228 @@
+"""aiopar.rpc on dask: peers that join, die, time out, exit; each test its own cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import distributed
+import numpy as np
+import pytest
+from dask_helpers import aiopar_threads, child_pids
+
+import aiopar
+from aiopar import rpc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def scheduler():
+    """A scheduler alone, on loopback, for peers to join."""
+    with distributed.LocalCluster(
+        n_workers=0,
+        processes=False,
+        host="127.0.0.1",
+        protocol="tcp://",
+        dashboard_address="127.0.0.1:0",
+    ) as cluster:
+        yield cluster.scheduler_address
+
+
+@pytest.fixture
+def leaves_nothing_behind():
+    children, threads = child_pids(), aiopar_threads()
+    yield
+    deadline = time.monotonic() + 15
+    while (child_pids() - children or aiopar_threads() - threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child_pids() - children == set()
+    assert aiopar_threads() - threads == set()
+    assert rpc.agent._current is None
+
+
+def options(**kw) -> rpc.RpcBackendOptions:
+    return rpc.RpcBackendOptions(num_worker_threads=2, **kw)
+
+
+@rpc.functions.async_execution
+def after_timer(seconds: float, value):
+    fut: aiopar.Future = aiopar.Future()
+    threading.Timer(seconds, fut.set_result, args=(value,)).start()
+    return fut
+
+
+def python(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_shutdown_stops_the_cluster_and_its_threads(leaves_nothing_behind):
+    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=options())
+    assert rpc.rpc_sync("worker1", np.add, args=(1, 2)) == 3
+    rpc.shutdown()
+
+
+def test_a_peer_that_dies_fails_its_pending_calls_naming_it(leaves_nothing_behind):
+    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=options())
+    try:
+        pending = rpc.rpc_async("worker1", after_timer, args=(60, None))
+        rpc.rpc_async("worker1", os._exit, args=(1,))
+        start = time.monotonic()
+        with pytest.raises(aiopar.BrokenWorkerError, match="'worker1'"):
+            pending.wait(timeout=30)
+        assert time.monotonic() - start < 10
+        # Its nanny starts it again: later calls reach the new worker1.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert rpc.rpc_sync("worker1", np.add, args=(2, 2), timeout=5) == 4
+                break
+            except (aiopar.BrokenWorkerError, ValueError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        rpc.shutdown(graceful=False)
+
+
+def test_the_default_timeout_is_set_in_init_rpc(leaves_nothing_behind):
+    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=options(rpc_timeout=0.3))
+    try:
+        with pytest.raises(TimeoutError, match="rpc_timeout"):
+            rpc.rpc_sync("worker1", after_timer, args=(5, None))
+        assert rpc.rpc_sync("worker1", after_timer, args=(0.5, "late"), timeout=5) == "late"
+        assert rpc.rpc_sync("worker1", after_timer, args=(0.5, "ok"), timeout=0) == "ok"
+    finally:
+        rpc.shutdown()
+
+
+def test_a_name_torch_gives_another_peer_is_refused(leaves_nothing_behind):
+    with pytest.raises(ValueError, match="call this peer worker0"):
+        rpc.init_rpc("worker1", world_size=3)
+
+
+def test_every_process_that_calls_init_rpc_is_a_peer(scheduler, leaves_nothing_behind):
+    script = """
+        import sys
+        import numpy as np
+        from aiopar import rpc
+
+        name, rank, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        options = rpc.RpcBackendOptions(init_method=address)
+        rpc.init_rpc(name, rank=rank, world_size=3, rpc_backend_options=options)
+        other = "worker2" if rank == 1 else "worker1"
+        print(rpc.rpc_sync(other, np.add, args=(rank, 10)))
+        rpc.shutdown()  # waits until every peer that joined calls it
+    """
+    procs = [python(script, f"worker{rank}", str(rank), scheduler) for rank in (1, 2)]
+    try:
+        rpc.init_rpc(
+            "worker0",
+            rank=0,
+            world_size=3,
+            rpc_backend_options=options(init_method=scheduler, rpc_timeout=60),
+        )
+        assert [info.name for info in rpc.agent.current_agent().peers()] == [
+            "worker0",
+            "worker1",
+            "worker2",
+        ]
+        assert rpc.rpc_sync("worker2", np.add, args=(1, 2)) == 3
+        rpc.shutdown()
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], [err for _, err in outputs]
+    assert [out.strip() for out, _ in outputs] == ["11", "12"]
+
+
+def test_aiopar_worker_serves_until_interrupted(scheduler, leaves_nothing_behind):
+    command = [
+        sys.executable,
+        "-m",
+        "aiopar",
+        "worker",
+        "--scheduler",
+        scheduler,
+        "--nthreads",
+        "1",
+    ]
+    helpers = [
+        subprocess.Popen([*command, "--name", name], stderr=subprocess.PIPE, text=True)
+        for name in ("helper-a", "helper-b")
+    ]
+    try:
+        rpc.init_rpc("main", rpc_backend_options=options(init_method=scheduler))
+        deadline = time.monotonic() + 60
+        while len(rpc.agent.current_agent().peers()) < 3:
+            assert time.monotonic() < deadline, "the aiopar worker peers did not join"
+            time.sleep(0.1)
+        infos = [rpc.get_worker_info(name) for name in ("main", "helper-a", "helper-b")]
+        assert len({info.id for info in infos}) == 3  # ranks given out without clashes
+        assert rpc.rpc_sync("helper-a", np.add, args=(1, 2)) == 3
+        for helper in helpers:
+            helper.send_signal(signal.SIGTERM)
+        for helper in helpers:
+            assert helper.wait(timeout=30) == 0, helper.stderr.read()
+        rpc.shutdown()
+    finally:
+        for helper in helpers:
+            helper.kill()
+            helper.wait()
+            helper.stderr.close()
+
+
+def test_a_taken_name_is_refused(scheduler, leaves_nothing_behind):
+    rpc.init_rpc("main", rpc_backend_options=options(init_method=scheduler))
+    try:
+        script = """
+            import sys
+            from aiopar import rpc
+
+            options = rpc.RpcBackendOptions(init_method=sys.argv[1])
+            try:
+                rpc.init_rpc("main", rpc_backend_options=options)
+            except ValueError as exc:
+                print(exc)
+        """
+        out, err = python(script, scheduler).communicate(timeout=60)
+        assert "called 'main' is in the cluster already" in out, err
+    finally:
+        rpc.shutdown()
+
+
+def test_exit_without_shutdown_leaves_nothing_running(tmp_path):
+    script = """
+        import numpy as np
+        from aiopar import rpc
+
+        rpc.init_rpc("worker0", world_size=2)
+        print(rpc.rpc_sync("worker1", np.add, args=(1, 2)))
+    """
+    out, err = python(script).communicate(timeout=60)
+    assert out.strip() == "3", err
+
+
+def test_tls_through_dasks_security(leaves_nothing_behind):
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    tls = distributed.Security.temporary()
+    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=options(security=tls))
+    try:
+        agent = rpc.agent.current_agent()
+        assert agent.cluster.scheduler_address.startswith("tls://")
+        assert agent._listener._context is not None  # the calls are encrypted too
+        assert rpc.rpc_sync("worker1", np.add, args=(1, 2)) == 3
+    finally:
+        rpc.shutdown()

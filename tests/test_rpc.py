@@ -1,0 +1,377 @@
+"""aiopar.rpc without an engine: torch's names, argument checks, RRefs, async_execution.
+
+The semantics that need no cluster run on a fake engine whose two peers,
+"me" and "other", live in this process; the calls still pickle their
+arguments and results, as a real engine does. aiopar-dask's tests run the
+same names across processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import aiopar
+from aiopar import rpc
+from aiopar.rpc import agent as rpc_agent
+from aiopar.rpc.agent import RpcAgent, RpcBackendOptions, WorkerInfo, run_callee
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeAgent(RpcAgent):
+    """Peers "me" (this process) and "other"; each call runs in a new thread."""
+
+    def __init__(self, name: str, options: RpcBackendOptions) -> None:
+        self._me = WorkerInfo(name, 0)
+        self._peers = [self._me, WorkerInfo("other", 1)]
+        self._timeout = options.rpc_timeout
+        self.closed = False
+
+    @property
+    def worker_info(self) -> WorkerInfo:
+        return self._me
+
+    @property
+    def default_timeout(self) -> float:
+        return self._timeout
+
+    def peer(self, to: str | int) -> WorkerInfo:
+        for info in self._peers:
+            if to in (info.name, info.id):
+                return info
+        raise ValueError(f"there is no rpc peer {to!r}; the peers are: me, other")
+
+    def peers(self) -> list[WorkerInfo]:
+        return list(self._peers)
+
+    def call(self, to, fn, args, kwargs, timeout) -> aiopar.Future[Any]:
+        fn, args, kwargs = pickle.loads(pickle.dumps((fn, args, kwargs)))
+        future: aiopar.Future[Any] = aiopar.Future()
+
+        def run() -> None:
+            try:
+                result = run_callee(fn, args, kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+                return
+            if isinstance(result, aiopar.Future):
+                result.add_done_callback(lambda done: _copy(done, future))
+            else:
+                future.set_result(pickle.loads(pickle.dumps(result)))
+
+        threading.Thread(target=run).start()
+        return future
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        self.closed = True
+
+
+def _copy(source: aiopar.Future[Any], target: aiopar.Future[Any]) -> None:
+    try:
+        target.set_result(source.value())
+    except BaseException as exc:
+        target.set_exception(exc)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.agents: list[FakeAgent] = []
+
+    def start(self, name, rank, world_size, options) -> FakeAgent:
+        agent = FakeAgent(name, options)
+        self.agents.append(agent)
+        return agent
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    engine = FakeEngine()
+    monkeypatch.setattr(rpc_agent, "find_engine", lambda backend=None: engine)
+    rpc.init_rpc("me", rank=0, world_size=2)
+    yield engine
+    if rpc_agent._current is not None:
+        rpc.shutdown()
+
+
+# -- functions the peers run -----------------------------------------------------------
+
+
+def add(a, b=0):
+    return a + b
+
+
+def fail():
+    raise KeyError("failed on purpose")
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+    def value(self) -> int:
+        return self.n
+
+    @rpc.functions.async_execution
+    def later(self, k: int) -> aiopar.Future[int]:
+        return rpc.rpc_async("other", add, args=(self.n, k))
+
+
+class AsyncExecutionClass:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async_add(to, x, y, z):
+        return rpc.rpc_async(to, add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_async_add(cls, to, x, y, z):
+        ret_fut = aiopar.Future()
+        rpc.rpc_async(to, add, args=(x, y)).then(lambda fut: ret_fut.set_result(fut.wait() + z))
+        return ret_fut
+
+    @rpc.functions.async_execution
+    def bound_async_add(self, to, x, y, z):
+        return rpc.rpc_async(to, add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+@rpc.functions.async_execution
+def not_a_future():
+    return 3
+
+
+async def coroutine_add(a, b):
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+# -- without an engine ---------------------------------------------------------------------
+
+
+def test_without_an_engine_init_rpc_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(rpc_agent, "entry_points", lambda group: [])
+    with pytest.raises(RuntimeError, match="pip install aiopar-dask"):
+        rpc.init_rpc("worker0")
+    assert not rpc.is_available()
+
+
+def test_calls_before_init_rpc_say_so():
+    with pytest.raises(RuntimeError, match="init_rpc"):
+        rpc.rpc_sync("worker1", add, args=(1, 2))
+    with pytest.raises(RuntimeError, match="init_rpc"):
+        rpc.get_worker_info()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"name": ""}, TypeError, "non-empty string"),
+        ({"name": "w", "rank": -2}, ValueError, "rank must be a whole number >= 0"),
+        ({"name": "w", "world_size": 0}, ValueError, "world_size must be"),
+        ({"name": "w", "rank": 2, "world_size": 2}, ValueError, "rank must be < world_size"),
+        ({"name": "w", "rpc_backend_options": {"rpc_timeout": 1}}, TypeError, "RpcBackendOptions"),
+    ],
+)
+def test_init_rpc_checks_its_arguments(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        rpc.init_rpc(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"rpc_timeout": -1}, ValueError, "rpc_timeout"),
+        ({"num_worker_threads": 0}, ValueError, "num_worker_threads"),
+        ({"init_method": 8786}, TypeError, "scheduler address"),
+    ],
+)
+def test_backend_options_check_their_values(options, error, words):
+    with pytest.raises(error, match=words):
+        RpcBackendOptions(**options)
+
+
+def test_torch_spellings():
+    assert rpc.TensorPipeRpcBackendOptions is rpc.RpcBackendOptions
+    assert rpc.DEFAULT_RPC_TIMEOUT == 60.0
+    assert repr(WorkerInfo("worker1", 1)) == "WorkerInfo(id=1, name=worker1)"
+
+
+def test_async_execution_marks_static_class_and_bound_methods():
+    assert rpc_agent.is_async_execution(AsyncExecutionClass.static_async_add)
+    assert rpc_agent.is_async_execution(AsyncExecutionClass.class_async_add)
+    assert rpc_agent.is_async_execution(AsyncExecutionClass().bound_async_add)
+    assert not rpc_agent.is_async_execution(add)
+    assert AsyncExecutionClass.static_async_add.__name__ == "static_async_add"
+    with pytest.raises(TypeError, match="decorates a function"):
+        rpc.functions.async_execution(3)
+
+
+def test_an_async_execution_function_must_return_a_future():
+    with pytest.raises(TypeError, match=r"must return an aiopar\.Future, but it returned int"):
+        run_callee(not_a_future, (), {})
+
+
+def test_timeouts_follow_torch():
+    assert rpc_agent.check_timeout(-1, 60.0) == 60.0  # torch's "unset"
+    assert rpc_agent.check_timeout(0, 60.0) == 0.0  # no limit
+    assert rpc_agent.check_timeout(None, 60.0) == 0.0
+    assert rpc_agent.check_timeout(2.5, 60.0) == 2.5
+    for bad in (-2, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="timeout"):
+            rpc_agent.check_timeout(bad, 60.0)
+
+
+# -- on the fake engine ---------------------------------------------------------------------
+
+
+def test_rpc_sync_async_and_worker_info(fake):
+    assert rpc.rpc_sync("other", add, args=(1, 2)) == 3
+    assert (
+        rpc.rpc_async(1, add, args=(1,), kwargs={"b": 5}).then(lambda f: f.value() * 2).wait() == 12
+    )
+    assert rpc.rpc_sync(WorkerInfo("other", 1), add, args=[2, 2]) == 4
+    assert rpc.get_worker_info() == WorkerInfo("me", 0)
+    assert rpc.get_worker_info("other").id == 1
+
+    async def main():
+        return await rpc.rpc_async("other", add, args=(20, 1))
+
+    assert asyncio.run(main()) == 21
+
+
+def test_init_rpc_twice_says_so(fake):
+    with pytest.raises(RuntimeError, match="is RPC peer 'me' already"):
+        rpc.init_rpc("again")
+
+
+def test_bad_calls_fail_at_the_call(fake):
+    with pytest.raises(ValueError, match="the peers are"):
+        rpc.rpc_async("nobody", add)
+    with pytest.raises(TypeError, match="args=\\(x,\\)"):
+        rpc.rpc_async("other", add, args=1)
+    with pytest.raises(TypeError, match="kwargs is a dict"):
+        rpc.rpc_async("other", add, kwargs=[1])
+    with pytest.raises(TypeError, match="func must be a callable"):
+        rpc.rpc_async("other", 3)
+    with pytest.raises(TypeError, match="peer's name, id or WorkerInfo"):
+        rpc.rpc_async(1.5, add)
+    with pytest.raises(ValueError, match="timeout"):
+        rpc.rpc_async("other", add, timeout=-3)
+
+
+def test_callee_exceptions_reach_the_caller(fake):
+    with pytest.raises(KeyError, match="on purpose"):
+        rpc.rpc_sync("other", fail)
+
+
+def test_a_coroutine_function_is_awaited(fake):
+    assert rpc.rpc_sync("other", coroutine_add, args=(1, 2)) == 3
+
+
+def test_torch_async_execution_examples(fake):
+    assert rpc.rpc_sync("other", AsyncExecutionClass.static_async_add, args=("me", 1, 1, 2)) == 4
+    assert rpc.rpc_sync("other", AsyncExecutionClass.class_async_add, args=("me", 1, 1, 2)) == 4
+    rref = rpc.remote("other", AsyncExecutionClass)
+    assert rref.rpc_sync().static_async_add("me", 1, 1, 2) == 4
+    assert rref.rpc_async().class_async_add("me", 1, 1, 2).wait() == 4
+    assert rref.remote().bound_async_add("me", 1, 1, 2).to_here() == 4
+
+
+def test_rref_of_a_remote_value(fake):
+    rref = rpc.remote("other", Counter, args=(10,))
+    assert rref.owner() == WorkerInfo("other", 1)
+    assert rref.owner_name() == "other"
+    assert not rref.is_owner()
+    assert rref.rpc_sync().add(5) == 15
+    assert rref.rpc_async().value().wait() == 15
+    assert rref.remote().value().to_here() == 15
+    assert rref.rpc_sync().later(1) == 16  # an async_execution method
+    assert rref.to_here().n == 15
+    assert rref.confirmed_by_owner()
+    with pytest.raises(RuntimeError, match="call to_here"):
+        rref.local_value()
+    assert "owner=other" in repr(rref)
+
+
+def test_rref_creation_failures_surface_at_to_here(fake):
+    rref = rpc.remote("other", fail)
+    with pytest.raises(KeyError, match="on purpose"):
+        rref.to_here()
+    with pytest.raises(KeyError, match="on purpose"):
+        rref.rpc_sync().anything()
+
+
+def test_a_local_rref(fake):
+    rref = rpc.RRef([1, 2])
+    assert rref.is_owner()
+    assert rref.local_value() == [1, 2]
+    assert rref.to_here() == [1, 2]
+    assert rref.rpc_sync().index(2) == 1
+
+
+def test_an_rref_travels_in_arguments(fake):
+    rref = rpc.remote("other", Counter, args=(3,))
+    assert rpc.rpc_sync("other", read_rref, args=(rref,)) == 3
+
+
+def read_rref(rref: rpc.RRef[Counter]) -> int:
+    return rref.rpc_sync().value()
+
+
+def test_shutdown_clears_the_agent_and_owned_values(fake):
+    from aiopar.rpc import _rref
+
+    kept = rpc.RRef("kept")
+    assert kept._id in _rref._owned
+    rpc.shutdown()
+    assert fake.agents[0].closed
+    assert _rref._owned == {}
+    with pytest.raises(RuntimeError, match="init_rpc"):
+        rpc.get_worker_info()
+
+
+def test_a_collected_rref_drops_its_value_on_the_owner(fake):
+    from aiopar.rpc import _rref
+
+    rref = rpc.remote("other", Counter, args=(1,))
+    assert rref.to_here().n == 1
+    rref_id = rref._id
+    assert rref_id in _rref._owned  # "other" lives in this process here
+    del rref
+    rpc.rpc_sync("other", add, args=(1, 1))  # the next call tells the owner
+    deadline = time.monotonic() + 5
+    while rref_id in _rref._owned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rref_id not in _rref._owned
+
+
+def test_a_shared_rref_keeps_its_value(fake):
+    from aiopar.rpc import _rref
+
+    rref = rpc.remote("other", Counter, args=(3,))
+    assert rpc.rpc_sync("other", read_rref, args=(rref,)) == 3  # a copy went to "other"
+    rref_id = rref._id
+    del rref
+    rpc.rpc_sync("other", add, args=(1, 1))
+    assert rref_id in _rref._owned
+
+
+def test_the_core_imports_no_engine():
+    code = (
+        "import sys, aiopar.rpc; engines = ('distributed', 'dask', 'aiopar_dask'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in engines))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
