@@ -43,8 +43,9 @@ is in this module:
 
 BLAS pools (OpenBLAS with pthreads, MKL, BLIS) are process-wide, so the count
 is applied to them whenever it changes, and only then. Rule 5 costs a read of
-each library's count at those moments; while someone else holds a library, at
-every moment the count would change (no hook says when a holder lets go).
+each library's count at those moments; while someone else holds a library
+(no hook says when a holder lets go), also every ``HELD_RECHECK`` seconds
+at most when a thread starts or stops counting.
 OpenMP limits are per thread: a thread applies the count to itself when it
 starts counting and gets its own setting back when it stops.
 """
@@ -148,6 +149,10 @@ def threads_from_env() -> tuple[int | None, str | None, list[str]]:
     return None, None, ignored
 
 
+#: while someone else holds a library (rule 5), how often the budget looks again
+HELD_RECHECK = 0.01
+
+
 class Budget:
     """The intra-op thread count and the libraries it is applied to."""
 
@@ -163,8 +168,11 @@ class Budget:
         self.shares = (n_cores, *(max(1, n_cores // k) for k in range(1, n_cores + 1)))
         self.explicit, self.explicit_from, self.env_ignored = threads_from_env()
         # The count last given to the process-wide libraries; None while one
-        # of them is held by someone else (rule 5), so every change re-checks.
+        # of them is held by someone else (rule 5), so that follow() looks
+        # again, at most every HELD_RECHECK seconds unless the count changes.
         self.applied: int | None = None
+        self.attempted: int | None = None
+        self.recheck_at = 0.0
         self.controller: Any = None  # threadpoolctl.ThreadpoolController, made lazily
         self.process_wide: list[Any] = []
         self.setters: list[Callable[[int], Any]] = []  # one per process-wide library
@@ -195,8 +203,11 @@ class Budget:
 
     def follow(self) -> None:
         """Give the libraries the count for what counts now (fewer or more threads)."""
-        # The lock is taken only when the libraries must change.
+        # The lock is taken only when the libraries must change, or when a
+        # library someone else holds is due for another look (rule 5).
         if self.explicit is None and self._share(len(self.tokens)) != self.applied:
+            if self.held and self.target() == self.attempted and time.monotonic() < self.recheck_at:
+                return
             with self.lock:
                 self._follow_budget()
 
@@ -229,7 +240,9 @@ class Budget:
             self.explicit, self.explicit_from = n, source
             self._scan()
             if n is None:
-                self.counts.clear()  # rule 5: only open threadpoolctl blocks still hold
+                # Rule 5: only open threadpoolctl blocks still hold.
+                self.counts.clear()
+                self.held.clear()
                 n = self._follow_budget()
             else:
                 self._apply(n, override=True)
@@ -270,9 +283,12 @@ class Budget:
                 counts[path] = n if now is None else now
             except Exception:
                 _logger.exception("could not set the thread count of %s", lib.filepath)
-        # No hook says when a holder lets go: while a library is held, every
-        # change of the count looks again.
+        # No hook says when a holder lets go: while a library is held, follow()
+        # looks again (rule 5).
+        self.attempted = n
         self.applied = None if held else n
+        if held:
+            self.recheck_at = time.monotonic() + HELD_RECHECK
 
     def apply_here(self) -> None:
         """Give this thread's OpenMP libraries the current count (a no-op without them)."""

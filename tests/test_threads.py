@@ -484,6 +484,24 @@ def test_threadpoolctl_tells_which_thread_holds_an_openblas_limit():
     assert all(limiting_thread(lib) is None for lib in openblas)
 
 
+@pytest.mark.skipif(cores() < 2, reason="one core leaves the budget nothing to change")
+def test_a_held_library_is_looked_at_again_only_now_and_then(monkeypatch):
+    from aiopar import _budget
+
+    monkeypatch.setattr(_budget, "HELD_RECHECK", 60.0)
+    run_together(2, seen)
+    with threadpool_limits(limits=1, user_api="blas"):
+        run_together(2, seen)  # the budget finds BLAS held
+        assert budget.held
+        changes = count_blas_changes(monkeypatch)
+        for _ in range(100):
+            aiopar.fork(int, "1").wait()
+        settle()
+        assert len(changes) <= 2, changes
+    run_together(2, seen)
+    assert not budget.held
+
+
 def test_set_num_threads_overrides_a_limit_set_elsewhere():
     run_together(2, seen)
     with threadpool_limits(limits=1, user_api="blas"):
