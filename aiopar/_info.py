@@ -23,11 +23,11 @@ def parallel_info() -> str:
 
     Lists the backends (available and current), the interop workers, the
     intra-op threads and how they were decided, the BLAS/OpenMP libraries
-    threadpoolctl sees with their thread counts (and who set a count, when
-    it was not aiopar: a ``threadpool_limits`` in some thread, say), the
-    environment variables
-    that set thread counts (and any that are set but ignored), and a warning
-    line for each setting that oversubscribes the cores.
+    threadpoolctl sees with their thread counts (and who set a count when it
+    was not aiopar, such as a ``threadpool_limits`` block in some thread),
+    the environment variables that set thread counts (and any that are set
+    but ignored), and a warning line for each setting that oversubscribes
+    the cores.
     """
     n_cores = cores()
     interop = _budget.get_num_interop_threads()

@@ -206,13 +206,13 @@ class TaskRecord:
             record.blocked_ns, record._steps = blocked, steps
             made.append(record)
 
-        def task(i: int | None) -> TaskRecord | None:
+        def record_at(i: int | None) -> TaskRecord | None:
             return None if i is None else made[i]
 
         self.blocked_ns += blocked_ns
         return made[1:], [
-            _Wait(workers[row], start, end, task(blocked), task(awaited))
-            for row, start, end, blocked, awaited in waits
+            _Wait(workers[row], start, end, record_at(task), record_at(awaited))
+            for row, start, end, task, awaited in waits
         ]
 
     def run_in_steps(
@@ -650,7 +650,7 @@ class _InWorker:
                 r.start_ns,
                 r.end_ns,
                 r.blocked_ns,
-                r._steps,
+                None if r._steps is None else list(r._steps),
             )
             for r in records
         ]
@@ -658,6 +658,7 @@ class _InWorker:
             (row(w.worker), w.start_ns, w.end_ns, index.get(w.task), index.get(w.awaited))
             for w in waits
         ]
+        # rows last: row() fills it while the lists above are made
         return self._task.blocked_ns, [tuple(worker) for worker in rows], forks, blocked
 
 

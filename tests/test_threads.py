@@ -338,13 +338,15 @@ def test_openblas_setter_is_found_on_the_pinned_threadpoolctl():
 
 # -- limits set by someone else (threadpoolctl, a library) ---------------------
 
+two_cores = pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
+
 
 def share_of(k: int) -> tuple[int, list[int]]:
     share = max(1, cores() // k)
     return share, [share] * len(blas_threads())
 
 
-@pytest.mark.skipif(cores() < 2, reason="one core leaves the budget nothing to change")
+@two_cores
 def test_a_threadpool_limit_is_kept_while_tasks_start_and_end():
     run_together(2, seen)  # the budget has set BLAS at least once
     with threadpool_limits(limits=1, user_api="blas"):
@@ -357,7 +359,7 @@ def test_a_threadpool_limit_is_kept_while_tasks_start_and_end():
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
-@pytest.mark.skipif(cores() < 2, reason="one core leaves the budget nothing to change")
+@two_cores
 def test_a_threadpool_limit_in_another_thread_is_kept_and_reported():
     # scikit-learn and others limit BLAS in whichever thread calls them; the
     # pools are process-wide, so the budget sees it from every thread.
@@ -390,7 +392,7 @@ def test_a_threadpool_limit_in_another_thread_is_kept_and_reported():
     assert run_together(2, seen) == [share_of(2)] * 2
 
 
-@pytest.mark.skipif(cores() < 2, reason="one core leaves the budget nothing to change")
+@two_cores
 def test_a_count_set_through_the_librarys_own_api_is_kept_until_it_is_back():
     import threadpoolctl
 
@@ -417,7 +419,7 @@ def test_a_count_set_through_the_librarys_own_api_is_kept_until_it_is_back():
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
-@pytest.mark.skipif(cores() < 2, reason="one core leaves the budget nothing to change")
+@two_cores
 def test_a_threadpool_limit_at_the_count_the_budget_gave_is_kept_too():
     # Two tasks run, so BLAS has one thread when the block opens: its count
     # tells nothing, threadpoolctl's open block does.
@@ -433,11 +435,11 @@ def test_a_threadpool_limit_at_the_count_the_budget_gave_is_kept_too():
             release.wait(10)
             return blas_threads()
 
+    inside: list[list[int]] = []
+    user = threading.Thread(target=lambda: inside.append(limited()), name="limits-blas")
     compute_beside_a_fork()
     futs = [aiopar.fork(task) for _ in range(2)]
     time.sleep(0.01)  # this thread computes beside them: three count now
-    user = threading.Thread(target=lambda: inside.append(limited()), name="limits-blas")
-    inside: list[list[int]] = []
     user.start()
     aiopar.wait_all(futs)
     settle()  # nothing counts: the budget would give BLAS every core
@@ -449,6 +451,7 @@ def test_a_threadpool_limit_at_the_count_the_budget_gave_is_kept_too():
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
+@two_cores
 def test_a_threadpool_limit_open_when_aiopar_first_looks_at_blas_is_kept():
     code = """
         import threading
@@ -484,7 +487,7 @@ def test_threadpoolctl_tells_which_thread_holds_an_openblas_limit():
     assert all(limiting_thread(lib) is None for lib in openblas)
 
 
-@pytest.mark.skipif(cores() < 2, reason="one core leaves the budget nothing to change")
+@two_cores
 def test_a_held_library_is_looked_at_again_only_now_and_then(monkeypatch):
     from aiopar import _budget
 
