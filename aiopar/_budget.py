@@ -31,11 +31,24 @@ is in this module:
    (``_future._BLOCKED_LONG``), else once the wait has lasted that long. A stream of short tasks
    does not flip BLAS at every task, and the short tail of a fork leaves no
    spinning BLAS threads behind (OpenBLAS's spin for about 0.1 s after a call).
+5. **A limit set by someone else is theirs.** A process-wide library whose
+   count is not the one the budget last gave it was set by someone else
+   (the library's own API, or ``threadpoolctl.threadpool_limits`` in any
+   thread, as scikit-learn does); so is one that threadpoolctl reports a
+   ``threadpool_limits`` block open on, whatever its count. The budget
+   leaves that library alone, as it would an explicit count, until the
+   block has closed and its count is back to the budget's (which is what
+   threadpoolctl restores); the other libraries follow the budget
+   meanwhile. ``set_num_threads(n)`` overrides every such limit;
+   ``set_num_threads(None)`` forgets those no block holds open.
 
 BLAS pools (OpenBLAS with pthreads, MKL, BLIS) are process-wide, so the count
-is applied to them whenever it changes, and only then. OpenMP limits are per
-thread: a thread applies the count to itself when it starts counting and
-gets its own setting back when it stops.
+is applied to them whenever it changes, and only then. Rule 5 costs a read of
+each library's count at those moments; while someone else holds a library
+(no hook says when a holder lets go), also every ``HELD_RECHECK`` seconds
+at most when a thread starts or stops counting.
+OpenMP limits are per thread: a thread applies the count to itself when it
+starts counting and gets its own setting back when it stops.
 """
 
 from __future__ import annotations
@@ -137,6 +150,10 @@ def threads_from_env() -> tuple[int | None, str | None, list[str]]:
     return None, None, ignored
 
 
+#: while someone else holds a library (rule 5), how often the budget looks again
+HELD_RECHECK = 0.01
+
+
 class Budget:
     """The intra-op thread count and the libraries it is applied to."""
 
@@ -151,10 +168,21 @@ class Budget:
         # the budgeted count for k counting: all cores for 0 or 1, then cores // k
         self.shares = (n_cores, *(max(1, n_cores // k) for k in range(1, n_cores + 1)))
         self.explicit, self.explicit_from, self.env_ignored = threads_from_env()
-        self.applied: int | None = None  # last count given to the process-wide libraries
+        # The count last given to the process-wide libraries; None while one
+        # of them is held by someone else (rule 5), so that follow() looks
+        # again, at most every HELD_RECHECK seconds unless the count changes.
+        self.applied: int | None = None
+        self.attempted: int | None = None
+        self.recheck_at = 0.0
         self.controller: Any = None  # threadpoolctl.ThreadpoolController, made lazily
         self.process_wide: list[Any] = []
         self.setters: list[Callable[[int], Any]] = []  # one per process-wide library
+        self.getters: list[Callable[[], Any]] = []
+        # By library path, kept across rescans: the count the budget left in
+        # each library (read back after setting it), and the libraries that
+        # someone else holds (rule 5) with the count they found there.
+        self.counts: dict[str, int] = {}
+        self.held: dict[str, int] = {}
         self.per_thread: list[Any] = []
         self.modules_seen = -1  # len(sys.modules) at the last scan for libraries
         self.local = threading.local()  # per-thread libraries: .applied, .own
@@ -176,8 +204,11 @@ class Budget:
 
     def follow(self) -> None:
         """Give the libraries the count for what counts now (fewer or more threads)."""
-        # The lock is taken only when the libraries must change.
+        # The lock is taken only when the libraries must change, or when a
+        # library someone else holds is due for another look (rule 5).
         if self.explicit is None and self._share(len(self.tokens)) != self.applied:
+            if self.held and self.target() == self.attempted and time.monotonic() < self.recheck_at:
+                return
             with self.lock:
                 self._follow_budget()
 
@@ -210,9 +241,12 @@ class Budget:
             self.explicit, self.explicit_from = n, source
             self._scan()
             if n is None:
+                # Rule 5: only open threadpoolctl blocks still hold.
+                self.counts.clear()
+                self.held.clear()
                 n = self._follow_budget()
             else:
-                self._apply(n)
+                self._apply(n, override=True)
         self.apply_here()
 
     # Called with self.lock held.
@@ -224,17 +258,38 @@ class Budget:
             if n == self.applied or self.explicit is not None:
                 return n
             self._apply(n)
+            if self.target() == n:
+                return n
 
     # Called with self.lock held.
-    def _apply(self, n: int) -> None:
+    def _apply(self, n: int, *, override: bool = False) -> None:
         if len(sys.modules) != self.modules_seen:
             self._scan()  # a new import may have loaded another BLAS
-        for lib, set_num_threads in zip(self.process_wide, self.setters, strict=True):
+        counts, held = self.counts, self.held
+        for lib, set_num_threads, get_num_threads in zip(
+            self.process_wide, self.setters, self.getters, strict=True
+        ):
+            path = lib.filepath
             try:
-                set_num_threads(n)
+                now = get_num_threads()
+                ours = counts.get(path, now)
+                if not override and (now != ours or limiting_thread(lib) is not None):
+                    held[path] = now  # rule 5
+                    continue
+                held.pop(path, None)
+                if now != n:
+                    set_num_threads(n)
+                    # What it really has: a library may cap the count.
+                    now = get_num_threads()
+                counts[path] = n if now is None else now
             except Exception:
                 _logger.exception("could not set the thread count of %s", lib.filepath)
-        self.applied = n
+        # No hook says when a holder lets go: while a library is held, follow()
+        # looks again (rule 5).
+        self.attempted = n
+        self.applied = None if held else n
+        if held:
+            self.recheck_at = time.monotonic() + HELD_RECHECK
 
     def apply_here(self) -> None:
         """Give this thread's OpenMP libraries the current count (a no-op without them)."""
@@ -266,21 +321,39 @@ class Budget:
 
         self.modules_seen = len(sys.modules)
         self.controller = ThreadpoolController()
-        self.process_wide, self.per_thread, self.setters = [], [], []
+        self.process_wide, self.per_thread, self.setters, self.getters = [], [], [], []
         for lib in self.controller.lib_controllers:
             if lib.user_api == "openmp" or getattr(lib, "threading_layer", None) == "openmp":
                 self.per_thread.append(lib)
             else:
                 self.process_wide.append(lib)
                 self.setters.append(process_wide_setter(lib))
+                self.getters.append(process_wide_getter(lib))
         self.applied = None
         self.local = threading.local()
 
     def libraries(self) -> list[dict[str, Any]]:
-        """threadpoolctl's view of the loaded BLAS/OpenMP libraries, freshly scanned."""
+        """threadpoolctl's view of the loaded BLAS/OpenMP libraries, freshly scanned.
+
+        A process-wide library held by someone other than aiopar (rule 5)
+        also has ``"held_in"`` (the name of the thread inside a
+        ``threadpool_limits`` block on it, or None if threadpoolctl knows of
+        none) and ``"aiopar_count"`` (the count the budget gave it).
+        """
         with self.lock:
             self._scan()
-            return self.controller.info()
+            infos = self.controller.info()
+            by_path = {lib.filepath: lib for lib in self.process_wide}
+            for info in infos:
+                lib = by_path.get(info["filepath"])
+                if lib is None:
+                    continue
+                ours = self.counts.get(info["filepath"], info["num_threads"])
+                thread = limiting_thread(lib)
+                if thread is not None or info["num_threads"] != ours:
+                    info["held_in"] = None if thread is None else thread.name
+                    info["aiopar_count"] = ours
+            return infos
 
 
 budget = Budget()
@@ -303,6 +376,30 @@ def process_wide_setter(lib: Any) -> Callable[[int], Any]:
             if setter is not None:
                 return setter
     return lib.set_num_threads
+
+
+def process_wide_getter(lib: Any) -> Callable[[], Any]:
+    """The cheapest call that reads a process-wide library's thread count:
+    OpenBLAS's own C function (the one threadpoolctl checks for), else
+    threadpoolctl's property."""
+    if lib.internal_api == "openblas":
+        for get_symbol in type(lib).check_symbols:
+            getter = getattr(lib.dynlib, get_symbol, None)
+            if getter is not None:
+                return getter
+    return lambda: lib.num_threads
+
+
+def limiting_thread(lib: Any) -> threading.Thread | None:
+    """The thread inside a ``threadpool_limits`` block on ``lib``, if
+    threadpoolctl says: it does for OpenBLAS with pthreads, the one library
+    whose limits it lets only one thread set (``_SHARED_STATE``, private;
+    a test fails if a threadpoolctl release moves it)."""
+    shared = getattr(type(lib), "_SHARED_STATE", None)
+    thread = getattr(shared, "controlling_thread", None)
+    if isinstance(thread, threading.Thread) and thread.is_alive():
+        return thread
+    return None
 
 
 def get_num_threads() -> int:

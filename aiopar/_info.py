@@ -23,9 +23,11 @@ def parallel_info() -> str:
 
     Lists the backends (available and current), the interop workers, the
     intra-op threads and how they were decided, the BLAS/OpenMP libraries
-    threadpoolctl sees with their thread counts, the environment variables
-    that set thread counts (and any that are set but ignored), and a warning
-    line for each setting that oversubscribes the cores.
+    threadpoolctl sees with their thread counts (and who set a count when it
+    was not aiopar, such as a ``threadpool_limits`` block in some thread),
+    the environment variables that set thread counts (and any that are set
+    but ignored), and a warning line for each setting that oversubscribes
+    the cores.
     """
     n_cores = cores()
     interop = _budget.get_num_interop_threads()
@@ -55,11 +57,26 @@ def parallel_info() -> str:
     lines.append("libraries (threadpoolctl):" if libraries else "libraries: none loaded")
     for lib in libraries:
         layer = lib.get("threading_layer")
+        held = ""
+        if "aiopar_count" in lib:
+            thread = lib["held_in"]
+            held = ", set outside aiopar by " + (
+                "the library's own API or threadpoolctl"
+                if thread is None
+                else f"threadpoolctl in thread {thread!r}"
+            )
         lines.append(
             f"  {lib['internal_api']} {lib.get('version') or '?'} ({lib['user_api']}"
-            f"{', ' + layer if layer else ''}): {_plural(lib['num_threads'], 'thread')}, "
-            f"{os.path.basename(lib['filepath'])}"
+            f"{', ' + layer if layer else ''}): {_plural(lib['num_threads'], 'thread')}"
+            f"{held}, {os.path.basename(lib['filepath'])}"
         )
+        if held:
+            until = f"it is back to {lib['aiopar_count']}, the count the budget gave it"
+            if lib["held_in"] is not None:
+                block = "that threadpool_limits block ends"
+                back = lib["num_threads"] == lib["aiopar_count"]
+                until = block if back else f"{block} and {until}"
+            lines.append(f"    aiopar leaves it alone until {until}")
     lines.append(
         "environment: "
         + ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in _budget.THREAD_ENV_VARS)

@@ -13,6 +13,12 @@ costs one check per task (or coroutine fork). A recorder implements:
     process) by a backend whose task ran in another process, once that
     worker reported when it ran the task; the times are read with
     :func:`clock` in the worker.
+``record.on_remote_forks(report)``
+    called right after ``on_remote_run`` when the task forked work in its
+    worker process. A backend asks its worker for that only for a task
+    with a record; there, ``aiopar.profiler._InWorker()`` starts recording
+    before the task runs and its ``report()`` (plain data, or None when
+    nothing was forked) stops after it.
 ``on_fork_coroutine(fn) -> record``
     called in the forking thread when a coroutine function is forked onto an
     event loop; the runner then awaits ``record.run_in_steps(fn, args,

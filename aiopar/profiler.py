@@ -19,10 +19,13 @@ What a profile records and guarantees:
   first step to its completion on the loop's thread, with each step (the
   stretch it ran between two awaits) in ``steps``; on the timeline the steps
   are slices on the loop thread's row and its awaits the gaps between them.
-- **Process-wide.** An open profile sees forks from every thread of the
-  process, not only the one that opened it, because forked work hops
-  threads. Tasks that run in worker processes report their own start and
-  end; forks made inside a worker process are not recorded.
+- **Process-wide, and into worker processes.** An open profile sees forks
+  from every thread of the process, not only the one that opened it,
+  because forked work hops threads. A task that runs in a worker process
+  reports its own start and end, and every fork made in that worker while
+  it runs (tasks, coroutines, nested forks: their records, waits and
+  steps), on the worker's own rows and the same clock, as children of the
+  task. Those still running when the task returns are counted unfinished.
 - **Nesting and overlap are fine.** Every profile open at the moment of a
   fork records that task; an outer profile therefore sees everything an
   inner one does.
@@ -30,7 +33,8 @@ What a profile records and guarantees:
   completed in the record whenever it ends, even after the ``with`` block;
   a task still unfinished when you export is left out of the trace and
   counted as unfinished in the table. Wait for your futures inside the block.
-- **Off, it costs one attribute check per task** (and per blocking wait).
+- **Off, it costs one attribute check per task** (and per blocking wait);
+  a process task costs one more in this process and one in its worker.
   On, a few microseconds per task, and about half a microsecond per step of
   a recorded coroutine.
 
@@ -45,6 +49,7 @@ import gzip
 import io
 import itertools
 import json
+import logging
 import os
 import threading
 import types
@@ -60,6 +65,7 @@ from . import _trace
 __all__ = ["Profile", "TaskRecord", "TaskStats", "Worker", "profile"]
 
 clock = _trace.clock
+_logger = logging.getLogger("aiopar")
 
 
 class Worker(NamedTuple):
@@ -110,6 +116,7 @@ class TaskRecord:
 
     __slots__ = (
         "_outer",
+        "_remote",
         "_steps",
         "backend",
         "blocked_ns",
@@ -142,6 +149,9 @@ class TaskRecord:
         self._outer: TaskRecord | None = None
         # A coroutine's step times, start and end alternating; None for a task.
         self._steps: list[int] | None = None
+        # For a task that ran in a worker process: the records and waits of
+        # what it forked there.
+        self._remote: tuple[list[TaskRecord], list[_Wait]] | None = None
 
     # -- the hooks (see aiopar._trace) ---------------------------------------
 
@@ -168,6 +178,42 @@ class TaskRecord:
         self.worker = Worker(pid, pid if tid is None else tid, thread_name or f"worker {pid}")
         self.start_ns = start_ns
         self.end_ns = end_ns
+
+    def on_remote_forks(self, report: Any) -> None:
+        """Adopt what this task forked in its worker process (``report`` is
+        what :meth:`_InWorker.report` made there), after :meth:`on_remote_run`.
+        Never raises: it runs in the thread that reads the workers' results."""
+        try:
+            self._remote = self._adopt(report)
+        except Exception:
+            _logger.exception("aiopar.profiler: could not read what %r forked in its worker", self)
+
+    def _adopt(self, report: Any) -> tuple[list[TaskRecord], list[_Wait]]:
+        blocked_ns, rows, records, waits = report
+        home = self.worker  # the worker's main thread, named as this process names it
+        workers = [
+            home
+            if home is not None and (pid, tid) == (home.pid, home.tid)
+            else Worker(pid, tid, name)
+            for pid, tid, name in rows
+        ]
+        made = [self]  # index 0 stands for this task, i + 1 for the report's record i
+        for name, backend, parent, forker, worker, fork_ns, start, end, blocked, steps in records:
+            record = TaskRecord(name, backend, None if parent is None else made[parent])
+            record.forker = workers[forker]
+            record.worker = None if worker < 0 else workers[worker]
+            record.fork_ns, record.start_ns, record.end_ns = fork_ns, start, end
+            record.blocked_ns, record._steps = blocked, steps
+            made.append(record)
+
+        def record_at(i: int | None) -> TaskRecord | None:
+            return None if i is None else made[i]
+
+        self.blocked_ns += blocked_ns
+        return made[1:], [
+            _Wait(workers[row], start, end, record_at(task), record_at(awaited))
+            for row, start, end, task, awaited in waits
+        ]
 
     def run_in_steps(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -399,8 +445,19 @@ class Profile:
 
     @property
     def records(self) -> list[TaskRecord]:
-        """Every task forked while the profile was open, in fork order."""
-        return list(self._records)
+        """Every task forked while the profile was open, in fork order, each
+        process task followed by what it forked in its worker process."""
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> tuple[list[TaskRecord], list[_Wait]]:
+        records, waits = [], list(self._waits)
+        for record in list(self._records):
+            records.append(record)
+            remote = record._remote
+            if remote is not None:
+                records += remote[0]
+                waits += remote[1]
+        return records, waits
 
     # -- the table -------------------------------------------------------------
 
@@ -415,7 +472,7 @@ class Profile:
         if sort_by not in _SORT_KEYS:
             raise ValueError(f"sort_by must be one of {', '.join(_SORT_KEYS)}, got {sort_by!r}")
         groups: dict[str, list[TaskRecord]] = {}
-        for record in self._records:
+        for record in self.records:
             groups.setdefault(record.name, []).append(record)
         stats = [_summarize(name, records) for name, records in groups.items()]
         return sorted(stats, key=_SORT_KEYS[sort_by])
@@ -454,7 +511,7 @@ class Profile:
             if unfinished:
                 cells.append(str(s.unfinished))
             table.add_row(*cells)
-        outside = sum(w.end_ns - w.start_ns for w in self._waits if w.task is None)
+        outside = sum(w.end_ns - w.start_ns for w in self._snapshot()[1] if w.task is None)
         notes = [f"{sum(s.count for s in stats)} tasks"]
         if self.start_ns is not None:
             notes.append(f"over {_fmt(((self.end_ns or clock()) - self.start_ns) / 1e9)}")
@@ -480,7 +537,8 @@ class Profile:
     def chrome_trace(self) -> dict[str, Any]:
         """The Trace Event JSON object (as a dict) that :meth:`export_chrome_trace` writes.
 
-        One row per worker thread or process: a complete ("X") event per
+        One row per thread, of this process and of each worker process
+        (whose main thread is named for the worker): a complete ("X") event per
         finished task, one per step of a finished coroutine (on the row of
         its event loop's thread, named for the loop; its awaits are the gaps
         between its steps), a "wait" event where a thread was blocked in
@@ -488,8 +546,8 @@ class Profile:
         (first) start, and process and thread names. Timestamps are
         microseconds since the profile opened.
         """
-        records = [r for r in self._records if r.end_ns is not None and r.worker is not None]
-        waits = list(self._waits)
+        records, waits = self._snapshot()
+        records = [r for r in records if r.end_ns is not None and r.worker is not None]
         t0 = self.start_ns if self.start_ns is not None else clock()
         t0 = min([t0, *(r.fork_ns for r in records), *(w.start_ns for w in waits)])
         trace = _TraceBuilder(t0)
@@ -551,6 +609,57 @@ class Profile:
         if str(path).endswith(".gz"):
             data = gzip.compress(data)
         Path(path).write_bytes(data)
+
+
+class _InWorker:
+    """In a worker process, while a task runs there that its parent's
+    profiler records: every fork made in the process meanwhile, for
+    :meth:`TaskRecord.on_remote_forks` in the parent."""
+
+    def __init__(self) -> None:
+        self._profile = Profile()
+        self._profile.__enter__()
+        # Stands for the task (its record is the parent's): what this thread
+        # forks while the task runs are its children.
+        self._task = TaskRecord("", "process", None)
+        self._task.on_start()
+
+    def report(self) -> tuple[int, list[Any], list[Any], list[Any]] | None:
+        """Stop recording; what was recorded, as plain data, or None if nothing was."""
+        self._task.on_end()
+        self._profile.__exit__()
+        records, waits = self._profile._records, self._profile._waits
+        if not records and not waits:
+            return None
+        rows: dict[Worker, int] = {}
+
+        def row(worker: Worker) -> int:
+            return rows.setdefault(worker, len(rows))
+
+        # 0 is the task, i + 1 the i-th record; None: no task, or one
+        # forked before this task ran.
+        index = {record: i for i, record in enumerate([self._task, *records])}
+        forks = [
+            (
+                r.name,
+                r.backend,
+                index.get(r.parent),
+                row(r.forker),
+                -1 if r.worker is None else row(r.worker),
+                r.fork_ns,
+                r.start_ns,
+                r.end_ns,
+                r.blocked_ns,
+                None if r._steps is None else list(r._steps),
+            )
+            for r in records
+        ]
+        blocked = [
+            (row(w.worker), w.start_ns, w.end_ns, index.get(w.task), index.get(w.awaited))
+            for w in waits
+        ]
+        # rows last: row() fills it while the lists above are made
+        return self._task.blocked_ns, [tuple(worker) for worker in rows], forks, blocked
 
 
 class _TraceBuilder:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import itertools
 import json
@@ -444,3 +445,154 @@ def test_a_coroutine_closed_or_thrown_into_while_suspended(how):
             steps.throw(KeyError("thrown in"))
         assert left == [KeyError]
     assert record.finished and len(record.steps) == 2
+
+
+# -- forks inside worker processes ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def process_pool():
+    from aiopar.backends.process import ProcessBackend
+
+    with ProcessBackend(max_workers=1) as pool:
+        yield pool
+
+
+def forks_leaves(n: int) -> int:
+    """Run in a worker process: fork ``n`` leaves there and wait for them."""
+    return sum(aiopar.wait_all([aiopar.fork(leaf, i) for i in range(n)]))
+
+
+def forks_everything() -> tuple[int, int]:
+    """Run in a worker process: a nested thread fork, a coroutine forked onto
+    aiopar's loop there, and a coroutine on a loop of its own."""
+
+    async def on_its_own_loop() -> int:
+        return await aiopar.fork(pause_twice, 2)
+
+    nested = aiopar.fork(node, 2).wait()
+    coroutine = aiopar.fork(pause_twice, 1).wait()
+    return nested + coroutine, asyncio.run(on_its_own_loop())
+
+
+def waits_for_a_running_fork() -> None:
+    """Run in a worker process: block in wait there for a while."""
+    slow = aiopar.fork(time.sleep, 0.05)
+    while not (slow.running() or slow.done()):
+        time.sleep(0.001)
+    slow.wait()
+
+
+def test_forks_inside_a_worker_process_land_on_its_rows(process_pool):
+    with profile() as prof:
+        before = time.perf_counter_ns()
+        assert process_pool.fork(forks_leaves, 3).wait() == 3
+        after = time.perf_counter_ns()
+    [task] = by_name(prof, "forks_leaves")
+    leaves = by_name(prof, "leaf")
+    assert len(leaves) == 3
+    worker_pid = task.worker.pid
+    assert worker_pid != os.getpid()
+    for record in leaves:
+        assert record.parent is task and record.forker == task.worker
+        assert record.backend == "thread" and record.finished
+        assert record.worker.pid == worker_pid
+        # One clock in both processes: the worker's times nest in this one's.
+        assert before <= task.start_ns <= record.fork_ns <= record.start_ns
+        assert record.start_ns <= record.end_ns <= task.end_ns <= after
+    assert [r.name for r in prof.records] == ["forks_leaves", "leaf", "leaf", "leaf"]
+    assert {s.name: s.count for s in prof.stats()} == {"forks_leaves": 1, "leaf": 3}
+
+    trace = prof.chrome_trace()
+    check_trace_schema(trace)
+    events = trace["traceEvents"]
+    flows = {e["id"]: e for e in events if e["ph"] == "s"}
+    for record in leaves:
+        # The arrow leaves the task's row in the worker, at the fork.
+        assert (flows[record.id]["pid"], flows[record.id]["tid"]) == (worker_pid, worker_pid)
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert rows[worker_pid, worker_pid] == task.worker.name == "process worker 0"
+    assert {pid for pid, _ in rows} == {os.getpid(), worker_pid}
+
+
+def test_waits_inside_a_worker_process_count_for_its_task(process_pool):
+    with profile() as prof:
+        process_pool.fork(waits_for_a_running_fork).wait()
+    [task, slow] = prof.records
+    assert slow.parent is task
+    assert task.blocked_ns >= 10_000_000
+    waits = [e for e in prof.chrome_trace()["traceEvents"] if e["name"] == "wait"]
+    [in_worker] = [e for e in waits if e["pid"] == task.worker.pid]
+    assert in_worker["tid"] == task.worker.tid
+    assert in_worker["args"]["waiting_for"] == f"#{slow.id} sleep"
+    assert in_worker["dur"] * 1000 <= task.blocked_ns + 1000
+
+
+def test_coroutines_and_nested_forks_inside_a_worker_process(process_pool):
+    with profile() as prof:
+        assert process_pool.fork(forks_everything).wait() == (2, 2)
+    [task] = by_name(prof, "forks_everything")
+    [nested] = by_name(prof, "node")
+    assert nested.parent is task
+    assert sorted(r.parent.name for r in by_name(prof, "leaf")) == [
+        "node",
+        "node",
+        "pause_twice",
+        "pause_twice",
+    ]
+    coroutines = by_name(prof, "pause_twice")
+    assert len(coroutines) == 2
+    for record in coroutines:
+        check_coroutine_record(record)
+        assert record.worker.pid == task.worker.pid and record.parent is task
+    by_row = {r.worker.name: r.backend for r in coroutines}
+    assert by_row.keys() == {"aiopar-loop", "process worker 0"}
+    assert by_row["process worker 0"] == "asyncio"  # asyncio.run in the task
+    check_trace_schema(prof.chrome_trace())
+
+
+def test_a_worker_records_nothing_unless_its_parent_profiles():
+    from aiopar.backends.process import ProcessBackend
+
+    # Local functions travel by value: the worker imports neither this
+    # module nor, through it, the profiler.
+    def forks_two() -> int:
+        return sum(aiopar.wait_all([aiopar.fork(abs, -i) for i in range(2)]))
+
+    def profiler_loaded() -> bool:
+        return "aiopar.profiler" in sys.modules
+
+    with ProcessBackend(max_workers=1) as fresh:
+        assert fresh.fork(forks_two).wait() == 1
+        assert fresh.fork(profiler_loaded).wait() is False
+        with profile() as prof:
+            assert fresh.fork(forks_two).wait() == 1
+        assert [r.name for r in prof.records].count("abs") == 2
+        assert fresh.fork(profiler_loaded).wait() is True
+        with profile() as prof:
+            assert fresh.fork(int, "7").wait() == 7  # forks nothing: no report
+        assert [r.name for r in prof.records] == ["int"]
+
+
+def test_a_fork_still_running_when_its_process_task_returns_is_unfinished(process_pool):
+    def leaves_one_running() -> None:
+        aiopar.fork(time.sleep, 0.3)
+
+    with profile() as prof:
+        process_pool.fork(leaves_one_running).wait()
+    [task, running] = prof.records
+    assert running.parent is task and not running.finished
+    [stats] = [s for s in prof.stats() if s.name == "sleep"]
+    assert (stats.count, stats.unfinished) == (0, 1)
+    check_trace_schema(prof.chrome_trace())
+
+
+def test_a_worker_report_that_cannot_be_read_is_logged_not_raised(caplog):
+    # It is read in the thread that reads the workers' results: raising there
+    # would fail the whole pool.
+    with aiopar.use_backend("inline"), profile() as prof:
+        aiopar.fork(leaf).wait()
+    [record] = prof.records
+    record.on_remote_forks(("not", "a report"))
+    assert prof.records == [record]
+    assert "could not read what" in caplog.text

@@ -11,6 +11,7 @@ import time
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
 from budget_helpers import once_alone
+from helpers import run_python
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
@@ -333,3 +334,200 @@ def test_openblas_setter_is_found_on_the_pinned_threadpoolctl():
         setter(1)
         assert lib.num_threads == 1
         setter(cores())
+
+
+# -- limits set by someone else (threadpoolctl, a library) ---------------------
+
+two_cores = pytest.mark.skipif(cores() < 2, reason="a share of one core is the whole core")
+
+
+def share_of(k: int) -> tuple[int, list[int]]:
+    share = max(1, cores() // k)
+    return share, [share] * len(blas_threads())
+
+
+@two_cores
+def test_a_threadpool_limit_is_kept_while_tasks_start_and_end():
+    run_together(2, seen)  # the budget has set BLAS at least once
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert run_together(2, blas_threads) == [[1] * len(blas_threads())] * 2
+        # Nothing runs: the budget would give BLAS every core again.
+        assert blas_threads() == [1] * len(blas_threads())
+        assert aiopar.get_num_threads() == cores()  # the budget's count, for parallel_for
+    assert blas_threads() == [cores()] * len(blas_threads())
+    assert run_together(2, seen) == [share_of(2)] * 2, "the budget is in charge again"
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@two_cores
+def test_a_threadpool_limit_in_another_thread_is_kept_and_reported():
+    # scikit-learn and others limit BLAS in whichever thread calls them; the
+    # pools are process-wide, so the budget sees it from every thread.
+    entered, leave = threading.Event(), threading.Event()
+    inside: list[list[int]] = []
+
+    def limited() -> None:
+        with threadpool_limits(limits=1, user_api="blas"):
+            entered.set()
+            leave.wait(10)
+            inside.append(blas_threads())
+
+    run_together(2, seen)
+    user = threading.Thread(target=limited, name="limits-blas")
+    user.start()
+    try:
+        assert entered.wait(10)
+        assert blas_threads() == [1] * len(blas_threads())
+        run_together(2, seen)
+        aiopar.fork(once_alone(seen)).wait()
+        info = aiopar.parallel_info()
+        assert "1 thread, set outside aiopar by threadpoolctl in thread 'limits-blas'" in info
+        assert "aiopar leaves it alone until that threadpool_limits block ends" in info
+    finally:
+        leave.set()
+        user.join(10)
+    assert inside == [[1] * len(blas_threads())]
+    assert blas_threads() == [cores()] * len(blas_threads())
+    assert "set outside aiopar" not in aiopar.parallel_info()
+    assert run_together(2, seen) == [share_of(2)] * 2
+
+
+@two_cores
+def test_a_count_set_through_the_librarys_own_api_is_kept_until_it_is_back():
+    import threadpoolctl
+
+    from aiopar._budget import process_wide_setter
+
+    run_together(2, seen)
+    libs = [
+        lib
+        for lib in threadpoolctl.ThreadpoolController().lib_controllers
+        if lib.user_api == "blas"
+    ]
+    for lib in libs:
+        process_wide_setter(lib)(1)
+    try:
+        run_together(2, seen)
+        assert blas_threads() == [1] * len(libs)
+        info = aiopar.parallel_info()
+        assert "1 thread, set outside aiopar" in info
+        assert "in thread" not in info
+    finally:
+        for lib in libs:
+            process_wide_setter(lib)(cores())
+    assert run_together(2, seen) == [share_of(2)] * 2
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@two_cores
+def test_a_threadpool_limit_at_the_count_the_budget_gave_is_kept_too():
+    # Two tasks run, so BLAS has one thread when the block opens: its count
+    # tells nothing, threadpoolctl's open block does.
+    entered, release = threading.Event(), threading.Event()
+
+    def task():
+        entered.wait(10)
+        return blas_threads()
+
+    def limited() -> list[int]:
+        with threadpool_limits(limits=1, user_api="blas"):
+            entered.set()
+            release.wait(10)
+            return blas_threads()
+
+    inside: list[list[int]] = []
+    user = threading.Thread(target=lambda: inside.append(limited()), name="limits-blas")
+    compute_beside_a_fork()
+    futs = [aiopar.fork(task) for _ in range(2)]
+    time.sleep(0.01)  # this thread computes beside them: three count now
+    user.start()
+    aiopar.wait_all(futs)
+    settle()  # nothing counts: the budget would give BLAS every core
+    assert blas_threads() == [1] * len(blas_threads())
+    release.set()
+    user.join(10)
+    assert inside == [[1] * len(blas_threads())]
+    assert run_together(2, seen) == [share_of(2)] * 2, "the budget is in charge again"
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@two_cores
+def test_a_threadpool_limit_open_when_aiopar_first_looks_at_blas_is_kept():
+    code = """
+        import threading
+        import numpy, aiopar
+        from threadpoolctl import threadpool_info, threadpool_limits
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            both = threading.Barrier(2)
+            aiopar.wait_all([aiopar.fork(both.wait) for _ in range(2)])
+            print([lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"])
+    """
+    done = run_python(code, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[1]"]
+
+
+def test_threadpoolctl_tells_which_thread_holds_an_openblas_limit():
+    # The budget reads threadpoolctl's private record of the thread inside a
+    # threadpool_limits block; a threadpoolctl that moves it must fail here.
+    import threadpoolctl
+
+    from aiopar._budget import limiting_thread
+
+    controller = threadpoolctl.ThreadpoolController()
+    openblas = [lib for lib in controller.lib_controllers if lib.internal_api == "openblas"]
+    if not openblas:
+        pytest.skip("numpy here does not use OpenBLAS")
+    assert all(limiting_thread(lib) is None for lib in openblas)
+    with threadpool_limits(limits=1, user_api="blas"):
+        assert all(limiting_thread(lib) is threading.current_thread() for lib in openblas), (
+            f"threadpoolctl {threadpoolctl.__version__} no longer records the limiting thread"
+        )
+    assert all(limiting_thread(lib) is None for lib in openblas)
+
+
+@two_cores
+def test_a_held_library_is_looked_at_again_only_now_and_then(monkeypatch):
+    from aiopar import _budget
+
+    monkeypatch.setattr(_budget, "HELD_RECHECK", 60.0)
+    run_together(2, seen)
+    with threadpool_limits(limits=1, user_api="blas"):
+        run_together(2, seen)  # the budget finds BLAS held
+        assert budget.held
+        changes = count_blas_changes(monkeypatch)
+        for _ in range(100):
+            aiopar.fork(int, "1").wait()
+        settle()
+        assert len(changes) <= 2, changes
+    run_together(2, seen)
+    assert not budget.held
+
+
+def test_set_num_threads_overrides_a_limit_set_elsewhere():
+    run_together(2, seen)
+    with threadpool_limits(limits=1, user_api="blas"):
+        run_together(2, seen)
+        aiopar.set_num_threads(2)  # the user's own explicit choice wins
+        assert blas_threads() == [2] * len(blas_threads())
+        aiopar.set_num_threads(None)
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_a_fork_that_ends_before_its_forker_is_told_leaves_no_share_behind(monkeypatch):
+    # A woken worker may run a fork to its end before the forking thread's
+    # slot hears of the fork; the forker must not count for it afterwards.
+    from aiopar import _budget
+
+    forked = _budget.Slot.forked
+
+    def told_late(slot, woken):
+        time.sleep(0.02)
+        forked(slot, woken)
+
+    compute_beside_a_fork()
+    monkeypatch.setattr(_budget.Slot, "forked", told_late)
+    aiopar.wait_all([aiopar.fork(int, "1") for _ in range(2)])
+    settle()
+    assert seen() == (cores(), [cores()] * len(blas_threads()))

@@ -53,8 +53,10 @@ SEGMENT_CACHE_BYTES = 256 * 1024 * 1024
 _HAVE_MEMFD = hasattr(os, "memfd_create")
 _ALIGN = 64  # buffers start on cache-line boundaries inside a segment
 
-# kinds of frame
-TASK, RESULT, ERROR, READY, RELEASE, PATH = 1, 2, 3, 4, 5, 6
+# kinds of frame; a TASK frame's t0 is 1 when the parent's profiler records
+# the task, and the worker then sends a TRACE frame (what the task forked
+# there) right before its RESULT or ERROR
+TASK, RESULT, ERROR, READY, RELEASE, PATH, TRACE = 1, 2, 3, 4, 5, 6, 7
 
 # kind, segment flags, buffer count, released-id count, message id,
 # segment id, segment size, payload size, start and end times (ns)

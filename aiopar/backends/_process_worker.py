@@ -6,7 +6,8 @@ with exactly one RESULT or ERROR frame carrying its start and end times
 A PATH frame replaces its ``sys.path`` with the parent's. It exits when the
 parent closes its end of the socket, and at once, even in the middle of a
 task, when the parent process dies. Forks made by a task run in the worker
-on the thread backend.
+on the thread backend; for a task the parent's profiler records, they are
+recorded here and sent in a TRACE frame before the task's result.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def _drain(released: deque[int]) -> list[int]:
 
 def _run(frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, released: deque[int]):
     msg_id = frame.msg_id
+    forks = _record_forks() if frame.t0 else None  # t0: the parent profiles this task
     start = clock()
     kind = wire.ERROR
     try:
@@ -101,9 +103,19 @@ def _run(frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, relea
     except BaseException as exc:
         packed = _pack_error(exc)
     end = clock()
+    if forks is not None and (report := forks.report()) is not None:
+        trace = wire.Packed(pickle.dumps(report, protocol=5), [], None, None)
+        channel.send(wire.TRACE, msg_id, trace)
     # Sent outside the except block, so the traceback (and the arguments it
     # keeps alive) is gone and their segments are reported released.
     channel.send(kind, msg_id, packed, released=_drain(released), t0=start, t1=end)
+
+
+def _record_forks() -> Any:
+    # Loaded only in a worker whose parent profiles.
+    from ..profiler import _InWorker
+
+    return _InWorker()
 
 
 def _call(frame: wire.Frame, pool: wire.SegmentPool) -> wire.Packed:

@@ -139,7 +139,7 @@ _Settle = tuple[Future[Any], "tuple[Any, BaseException | None] | None"]
 
 
 class _Job:
-    __slots__ = ("future", "id", "name", "packed", "task")
+    __slots__ = ("forks", "future", "id", "name", "packed", "task")
 
     def __init__(self, task: Task, packed: wire.Packed, job_id: int) -> None:
         self.task = task
@@ -147,6 +147,7 @@ class _Job:
         self.name = task.name
         self.packed = packed
         self.id = job_id
+        self.forks: Any = None  # for the profiler: what the task forked in its worker
         # The pickle is all that is needed now: let the arguments go even
         # while the future (which refers to the task) is kept, and break the
         # future <-> task cycle so a dropped result is freed at once (its
@@ -396,7 +397,8 @@ class ProcessBackend(Backend):
                 path = wire.Packed(pickle.dumps(self._path, protocol=5), [], None, None)
                 worker.channel.send(wire.PATH, packed=path)
                 worker.path_version = self._path_version
-            worker.channel.send(wire.TASK, job.id, job.packed, owner=worker)
+            traced = job.task.record is not None  # the worker records its forks then
+            worker.channel.send(wire.TASK, job.id, job.packed, owner=worker, t0=traced)
         except OSError:
             # The worker is dying; the manager notices through its pidfd and
             # requeues this job, which the worker never received.
@@ -640,6 +642,12 @@ class ProcessBackend(Backend):
                     self._idle.append(worker)
                 self._dispatch()
             return None
+        if frame.kind == wire.TRACE:  # about the running task; its result comes next
+            with self._lock:
+                job = worker.inflight[0]
+            assert job.id == frame.msg_id, (job.id, frame.msg_id)
+            job.forks = frame.loads()
+            return None
         with self._lock:
             job = worker.inflight.popleft()
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
@@ -655,6 +663,8 @@ class ProcessBackend(Backend):
             task.record.on_remote_run(
                 frame.t0, frame.t1, worker.pid, worker.pid, f"process worker {worker.index}"
             )
+            if job.forks is not None:
+                task.record.on_remote_forks(job.forks)
         future = job.future
         try:
             if frame.kind == wire.RESULT:

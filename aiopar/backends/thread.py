@@ -141,10 +141,10 @@ class ThreadBackend(Backend):
             reserved = len(self._tasks) >= self._waking and self._wake_worker()
             if reserved:
                 _budget_take()
+            if forker is not None:  # before a worker can finish the task
+                forker.forked(woken=reserved)
             task.forker, task.reserved = forker, reserved  # type: ignore[attr-defined]
             self._tasks.append(task)
-        if forker is not None:
-            forker.forked(woken=reserved)
 
     def _wake_worker(self) -> bool:
         """Wake an idle worker, or start one if the pool is below its limit;
