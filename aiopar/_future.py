@@ -7,7 +7,6 @@ Done means FINISHED or CANCELLED, and a done future never changes again.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
@@ -20,6 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from . import _loop, _trace
 from ._errors import CancelledError, InvalidStateError
+from ._log import logger
 
 __all__ = ["Future", "Waiter", "get_waiter", "set_waiter"]
 
@@ -29,7 +29,7 @@ U = TypeVar("U")
 PENDING, RUNNING, CANCELLED, FINISHED = 0, 1, 2, 3
 _STATE_NAMES = ("pending", "running", "cancelled", "finished")
 
-_logger = logging.getLogger("aiopar")
+_logger = logger
 
 # Per-thread state: `deferred` holds the callbacks of futures settled while
 # this thread was already running callbacks (so long then() chains run in a

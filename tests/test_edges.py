@@ -437,3 +437,27 @@ def test_a_thread_that_ran_tasks_gets_its_own_openmp_thread_count_back():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True"), done.stdout
+
+
+def test_logged_tracebacks_are_formatted_without_parsing_source(caplog, monkeypatch):
+    # CPython 3.11 shares the parser's recursion counter between threads
+    # (gh-106905): aiopar, which logs from workers and finalizers, must not
+    # parse source to underline a traceback.
+    import ast
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("ast.parse called while formatting an aiopar log record")
+
+    fut: aiopar.Future[int] = aiopar.Future()
+
+    def broken(_):
+        return [1][2]
+
+    fut.add_done_callback(broken)
+    monkeypatch.setattr(ast, "parse", no_parsing)
+    with caplog.at_level(logging.ERROR, logger="aiopar"):
+        fut.set_result(1)
+    (record,) = caplog.records
+    assert "IndexError: list index out of range" in record.exc_text
+    assert "in broken" in record.exc_text and "^^^" not in record.exc_text
+    assert "IndexError" in caplog.text
