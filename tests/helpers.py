@@ -9,17 +9,17 @@ import textwrap
 from typing import Any
 
 
-def run_python(
-    code: str, *args: str, timeout: float = 60, **kwargs: Any
-) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` (dedented) in a fresh interpreter and return what it did."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
-    )
+def python(*argv: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run this Python with ``argv`` and return what it did, output captured as text
+    (unless ``kwargs`` sends it elsewhere)."""
+    if "stdout" not in kwargs and "stderr" not in kwargs:
+        kwargs["capture_output"] = True
+    return subprocess.run([sys.executable, *argv], text=True, timeout=timeout, **kwargs)
+
+
+def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (dedented) in a fresh interpreter; keywords as :func:`python`."""
+    return python("-c", textwrap.dedent(code), *args, **kwargs)
 
 
 def start_python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen[str]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from importlib.metadata import EntryPoint
 
 import pytest
+from helpers import run_python
 
 import aiopar
 from aiopar.backends import Backend, Task
@@ -175,18 +173,9 @@ def test_interop_threads_follow_set_num_interop_threads():
         backend.shutdown()
 
 
-def _run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_exit_with_pending_work_does_not_hang():
     started = time.monotonic()
-    proc = _run_script(
+    proc = run_python(
         """
         import time, aiopar
         futs = [aiopar.fork(time.sleep, 0.5) for _ in range(10)]
@@ -199,7 +188,7 @@ def test_exit_with_pending_work_does_not_hang():
 
 
 def test_exit_runs_queued_work():
-    proc = _run_script(
+    proc = run_python(
         """
         import sys, time, aiopar
         def write(i):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import python
 
 import aiopar
 from aiopar.cli import (
@@ -22,12 +22,7 @@ from aiopar.cli import (
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "aiopar", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return python("-m", "aiopar", *args, timeout=timeout)
 
 
 def test_demo_quick_in_a_subprocess():
@@ -181,13 +176,7 @@ def test_info_into_a_closed_pipe_stops_quietly():
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "aiopar", "info"],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-        )
+        done = python("-m", "aiopar", "info", stdout=write_end, stderr=subprocess.PIPE)
     finally:
         os.close(write_end)
     assert "BrokenPipeError" not in done.stderr

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import python
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -73,11 +72,11 @@ def test_code_blocks_run(path: Path, tmp_path: Path) -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    done = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(path.relative_to(ROOT))],
+    done = python(
+        "-c",
+        _RUNNER,
+        str(path.relative_to(ROOT)),
         input=json.dumps(blocks),
-        capture_output=True,
-        text=True,
         cwd=tmp_path,
         env=env,
         timeout=240,
@@ -95,11 +94,14 @@ def test_skip_marker_and_line_numbers(tmp_path: Path) -> None:
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    done = python(
+        "-m",
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(tmp_path / "site"),
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         timeout=240,
     )

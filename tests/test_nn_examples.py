@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import python
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=90, check=False
-    )
+    result = python(*args, cwd=ROOT, timeout=90)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

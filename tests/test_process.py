@@ -24,6 +24,7 @@ import weakref
 
 import numpy as np
 import pytest
+from helpers import python
 
 import aiopar
 from aiopar import _trace
@@ -118,14 +119,7 @@ def _script_env() -> dict[str, str]:
 def _run_script(tmp_path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
-    return subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_script_env(),
-        cwd=tmp_path,
-    )
+    return python(str(script), timeout=timeout, env=_script_env(), cwd=tmp_path)
 
 
 def _exited(pid: int) -> bool:

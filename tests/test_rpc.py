@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import pytest
+from helpers import python
 
 import aiopar
 from aiopar import rpc
@@ -372,6 +371,6 @@ def test_the_core_imports_no_engine():
         "import sys, aiopar.rpc; engines = ('distributed', 'dask', 'aiopar_dask'); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in engines))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = python("-c", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
 from budget_helpers import once_alone
-from helpers import run_python
+from helpers import python, run_python
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
@@ -250,9 +248,7 @@ def test_parallel_info_warns_when_settings_oversubscribe():
 def test_omp_num_threads_at_import_is_an_explicit_setting():
     code = "import aiopar; print(aiopar.get_num_threads()); print(aiopar.parallel_info())"
     env = {**os.environ, "OMP_NUM_THREADS": "3"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    out = python("-c", code, env=env, check=True).stdout
     assert out.splitlines()[0] == "3"
     assert "set by OMP_NUM_THREADS" in out
 
