@@ -527,3 +527,19 @@ def test_a_fork_that_ends_before_its_forker_is_told_leaves_no_share_behind(monke
     aiopar.wait_all([aiopar.fork(int, "1") for _ in range(2)])
     settle()
     assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+def test_parallel_info_counts_in_good_english():
+    aiopar.set_num_threads(1)
+    info = aiopar.parallel_info()
+    assert "parallel_for: up to 1 thread (the caller + 0 helpers;" in info
+
+
+def test_a_thread_count_variable_that_is_not_a_count_is_said_to_be_ignored():
+    code = "import aiopar; print(aiopar.get_num_threads()); print(aiopar.parallel_info())"
+    env = {**os.environ, "OMP_NUM_THREADS": "abc"}
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    env.pop("MKL_NUM_THREADS", None)
+    out = python("-c", code, env=env, check=True).stdout
+    assert out.splitlines()[0] == str(cores()), "the budget decides, as if it were unset"
+    assert "note: OMP_NUM_THREADS='abc' is ignored: it is not a whole number >= 1" in out
