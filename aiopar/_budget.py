@@ -21,16 +21,16 @@ is in this module:
    already leaves the cores the fork will use, and the forker counts beside
    it from then. A thread that waited within ``WAITS_AT_ONCE`` seconds of
    its last fork, with no other fork out, is taken to fork and wait, not to
-   compute beside its forks:
-   it does not count for its forks until it computes longer than that
-   before a wait again. So ``fork(f).wait()`` changes no library setting,
-   whichever thread runs ``f``.
-4. **Threads come back late.** The libraries get fewer threads as soon as more
-   threads count, but more only once nothing counts, or when a thread blocks
-   in ``wait``: at once if it computed for less than 0.1 s
-   (``_future._BLOCKED_LONG``), else once the wait has lasted that long. A stream of short tasks
-   does not flip BLAS at every task, and the short tail of a fork leaves no
-   spinning BLAS threads behind (OpenBLAS's spin for about 0.1 s after a call).
+   compute beside its forks: it counts for its forks only once it runs one
+   of them itself, or computes longer than that before a wait again. So
+   ``fork(f).wait()`` changes no library setting, whichever thread runs ``f``.
+4. **Threads come back late.** The libraries get fewer threads as soon as
+   more threads count, but more only once nothing counts, or when a thread
+   blocks in ``wait``: at once if it computed for less than 0.1 s
+   (``_future._BLOCKED_LONG``), else once the wait has lasted that long. A
+   stream of short tasks does not flip BLAS at every task, and the short tail
+   of a fork leaves no spinning BLAS threads behind (OpenBLAS's spin for
+   about 0.1 s after a call).
 5. **A limit set by someone else is theirs.** A process-wide library whose
    count is not the one the budget last gave it was set by someone else
    (the library's own API, or ``threadpoolctl.threadpool_limits`` in any

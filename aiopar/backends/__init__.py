@@ -18,13 +18,14 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .._future import Waiter, get_waiter, set_waiter
-from ._base import Backend, Task
+from ._base import Backend, Task, check_count
 
 __all__ = [
     "Backend",
     "Task",
     "Waiter",
     "available_backends",
+    "check_count",
     "create_backend",
     "get_waiter",
     "set_waiter",

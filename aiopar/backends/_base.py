@@ -28,7 +28,7 @@ from .._budget import check_count
 from .._errors import CancelledError
 from .._future import Future
 
-__all__ = ["Backend", "Task"]
+__all__ = ["Backend", "Task", "check_count"]
 
 T = TypeVar("T")
 

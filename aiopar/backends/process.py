@@ -73,7 +73,7 @@ from .. import _budget, _config, _future
 from .._errors import BrokenWorkerError
 from .._future import Future
 from . import _process_wire as wire
-from ._base import Backend, Task, check_max_workers
+from ._base import Backend, Task, check_count, check_max_workers
 
 __all__ = ["ProcessBackend", "RemoteTraceback"]
 
@@ -246,12 +246,7 @@ class ProcessBackend(Backend):
         grace: float | None = _GRACE,
     ) -> None:
         check_max_workers(max_workers)
-        if prefetch is not None and (
-            not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0
-        ):
-            raise ValueError(
-                f"prefetch must be None (adaptive) or a whole number >= 0, got {prefetch!r}"
-            )
+        check_count(prefetch, "prefetch", minimum=0, none="adaptive")
         if grace is not None and (
             not isinstance(grace, int | float) or isinstance(grace, bool) or not grace >= 0
         ):

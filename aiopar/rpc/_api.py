@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from .._budget import check_count
 from .._future import Future
 from . import agent as _agent
 from ._rref import RRef, _collected, _create, _new_id, forget_owned, send_collected
@@ -58,8 +59,8 @@ def init_rpc(
         raise TypeError(f"name is this peer's name, a non-empty string, got {name!r}")
     if rank == -1:  # torch's "not set"
         rank = None
-    _check_whole(rank, "rank", minimum=0)
-    _check_whole(world_size, "world_size", minimum=1)
+    check_count(rank, "rank", minimum=0, none="the smallest free one")
+    check_count(world_size, "world_size", none="any number of peers")
     if rank is not None and world_size is not None and rank >= world_size:
         raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
     options = RpcBackendOptions() if rpc_backend_options is None else rpc_backend_options
@@ -215,8 +216,3 @@ def _check_kwargs(kwargs: object) -> dict[str, Any]:
     if isinstance(kwargs, Mapping):
         return dict(kwargs)
     raise TypeError(f"kwargs is a dict of keyword arguments, got {type(kwargs).__name__}")
-
-
-def _check_whole(n: object, what: str, minimum: int) -> None:
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < minimum):
-        raise ValueError(f"{what} must be a whole number >= {minimum} or None, got {n!r}")

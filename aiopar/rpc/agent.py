@@ -26,6 +26,7 @@ from importlib.metadata import entry_points
 from typing import Any, NamedTuple, Protocol
 
 from .._api import wrap
+from .._budget import check_count
 from .._future import Future
 
 __all__ = [
@@ -89,9 +90,7 @@ class RpcBackendOptions:
                 f"init_method is a scheduler address such as 'tcp://10.0.0.5:8786' or None, "
                 f"got {type(self.init_method).__name__}"
             )
-        n = self.num_worker_threads
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"num_worker_threads must be a whole number >= 1, got {n!r}")
+        check_count(self.num_worker_threads, "num_worker_threads")
 
 
 #: torch's name for the options of its default backend

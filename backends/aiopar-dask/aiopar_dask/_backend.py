@@ -18,7 +18,7 @@ from distributed import Client, KilledWorker, LocalCluster, Security
 from distributed.client import FutureCancelledError
 
 import aiopar
-from aiopar.backends import Backend, Task
+from aiopar.backends import Backend, Task, check_count
 
 from ._cluster import loopback_cluster_options
 from ._settle import Settler
@@ -259,8 +259,7 @@ def _check_options(
     for what, n in (("n_workers", n_workers), ("threads_per_worker", threads_per_worker)):
         if n is None:
             continue
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{what} must be a whole number >= 1 or None, got {n!r}")
+        check_count(n, what, none="dask's default")
         if address is not None or client is not None:
             raise ValueError(
                 f"{what} sizes the embedded cluster; with an address or a client, "
