@@ -7,16 +7,20 @@ Done means FINISHED or CANCELLED, and a done future never changes again.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import logging
 import threading
 import time
 import warnings
+from asyncio import _get_running_loop
 from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar
 
 from . import _loop, _trace
 from ._errors import CancelledError, InvalidStateError
+from ._interop import CfCondition, LoopCallback, adapt_callback
 
 __all__ = ["Future", "Waiter", "get_waiter", "set_waiter"]
 
@@ -76,7 +80,7 @@ def get_waiter() -> Waiter | None:
     return _local.__dict__.get("waiter")
 
 
-class Future(Generic[T]):
+class Future(concurrent.futures.Future, Generic[T]):
     """The result of a forked task, or a value a user settles by hand.
 
     Thread-safe: any thread may wait on, settle, cancel or add callbacks to
@@ -86,7 +90,6 @@ class Future(Generic[T]):
     """
 
     __slots__ = (
-        "__weakref__",
         "_callbacks",
         "_exception",
         "_lock",
@@ -283,15 +286,30 @@ class Future(Generic[T]):
 
     # -- callbacks ---------------------------------------------------------
 
-    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+    def add_done_callback(
+        self,
+        fn: Callable[[Future[T]], object],
+        *,
+        context: contextvars.Context | None = None,
+    ) -> None:
         """Call ``fn(self)`` once the future is done.
 
         It runs in the thread that settles the future, or at once in this
         thread if the future is done already. An exception it raises is
-        logged on the ``aiopar`` logger and otherwise ignored.
+        logged on the ``aiopar`` logger and otherwise ignored. With
+        ``context`` (asyncio's keyword), it runs in that
+        :class:`contextvars.Context`. A callback that asyncio's own code adds
+        on an event loop's thread (``asyncio.wait`` does) runs on that loop,
+        as asyncio runs its callbacks.
         """
         if not callable(fn):
             raise TypeError(f"add_done_callback() takes a callable, got {type(fn).__name__}")
+        if context is not None or _get_running_loop() is not None:
+            fn = adapt_callback(fn, context)
+        self._add_callback(fn)
+
+    def _add_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """add_done_callback for aiopar's own callbacks, which need no checks."""
         with self._lock:
             if self._state < CANCELLED:
                 if self._callbacks is None:
@@ -320,8 +338,52 @@ class Future(Generic[T]):
             else:
                 chained._settle(value, None)
 
-        self.add_done_callback(run_callback)
+        self._add_callback(run_callback)
         return chained
+
+    # -- interop: asyncio and concurrent.futures code --------------------
+    #
+    # Future derives from concurrent.futures.Future for isinstance checks
+    # (asyncio.wrap_future, run_in_executor-style code); it overrides every
+    # public method and never runs that class's __init__, whose condition
+    # and lists a future needs only when concurrent.futures.wait() or
+    # as_completed() meets it (see _interop).
+
+    def remove_done_callback(self, fn: Callable[[Future[T]], object]) -> int:
+        """Remove every pending callback equal to ``fn``; return how many were removed.
+
+        asyncio's spelling. A callback that has already run, or is on its
+        way to run, is not recalled.
+        """
+        with self._lock:
+            callbacks = self._callbacks
+            if not callbacks:
+                return 0
+            kept = [
+                cb
+                for cb in callbacks
+                if not (cb == fn or (type(cb) is LoopCallback and cb.matches(fn)))
+            ]
+            self._callbacks = kept or None
+        return len(callbacks) - len(kept)
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """The :mod:`concurrent.futures` executor's claim on a future it will run.
+
+        Returns True and marks the future running if it is pending, False if
+        it was cancelled (then its waiters have been told already). Raises
+        InvalidStateError if it is already running or done.
+        """
+        if self._claim():
+            return True
+        if self._state == CANCELLED:
+            return False
+        raise InvalidStateError(f"{self!r} is already running or done; a future runs only once")
+
+    @property
+    def _condition(self) -> CfCondition:
+        # What concurrent.futures.wait() and as_completed() lock.
+        return CfCondition(self)
 
     # -- await -------------------------------------------------------------
 
