@@ -80,7 +80,7 @@ def get_waiter() -> Waiter | None:
     return _local.__dict__.get("waiter")
 
 
-class Future(concurrent.futures.Future, Generic[T]):
+class Future(Generic[T], concurrent.futures.Future):
     """The result of a forked task, or a value a user settles by hand.
 
     Thread-safe: any thread may wait on, settle, cancel or add callbacks to
@@ -300,7 +300,8 @@ class Future(concurrent.futures.Future, Generic[T]):
         ``context`` (asyncio's keyword), it runs in that
         :class:`contextvars.Context`. A callback that asyncio's own code adds
         on an event loop's thread (``asyncio.wait`` does) runs on that loop,
-        as asyncio runs its callbacks.
+        as asyncio runs its callbacks, and the loop's exception handler gets
+        what it raises.
         """
         if not callable(fn):
             raise TypeError(f"add_done_callback() takes a callable, got {type(fn).__name__}")
@@ -362,7 +363,7 @@ class Future(concurrent.futures.Future, Generic[T]):
             kept = [
                 cb
                 for cb in callbacks
-                if not (cb == fn or (type(cb) is LoopCallback and cb.matches(fn)))
+                if not (cb == fn or (type(cb) is LoopCallback and cb.fn == fn))
             ]
             self._callbacks = kept or None
         return len(callbacks) - len(kept)

@@ -68,9 +68,10 @@ class LoopCallback:
     """A done-callback run in a given context and, if ``loop`` is given, on that loop.
 
     Posted to the loop through its bridge, so completions that arrive
-    together cost one wake-up. Run in the settling thread instead when that
-    thread is the loop's own, or when the loop is closed (nobody would run
-    it there).
+    together cost one wake-up; run at once when the settling thread is the
+    loop's own, or when the loop is closed (nobody would run it there). An
+    exception it raises goes to the loop's exception handler, as one from
+    any callback the loop runs.
     """
 
     __slots__ = ("bridge", "context", "fn", "loop")
@@ -89,10 +90,12 @@ class LoopCallback:
 
     def __call__(self, fut: Any) -> None:
         loop = self.loop
-        if loop is None or _get_running_loop() is loop or loop.is_closed():
+        if loop is None:
             self.run(fut)  # an exception goes to the caller, which reports it
+        elif _get_running_loop() is loop or loop.is_closed():
+            self._run_for_loop(loop, fut)
         else:
-            self.bridge.post(functools.partial(self._run_on_loop, fut))  # type: ignore[union-attr]
+            self.bridge.post(functools.partial(self._run_for_loop, loop, fut))  # type: ignore[union-attr]
 
     def run(self, fut: Any) -> None:
         if self.context is None:
@@ -100,22 +103,18 @@ class LoopCallback:
         else:
             self.context.run(self.fn, fut)
 
-    def _run_on_loop(self, fut: Any) -> None:
-        # Raising here would drop the rest of the bridge's batch: report it
-        # where the loop reports its own callbacks' exceptions.
+    def _run_for_loop(self, loop: asyncio.AbstractEventLoop, fut: Any) -> None:
+        # Never raises: on the loop, that would drop the rest of the bridge's batch.
         try:
             self.run(fut)
         except Exception as exc:
-            self.loop.call_exception_handler(  # type: ignore[union-attr]
+            loop.call_exception_handler(
                 {
                     "message": f"exception in done-callback {self.fn!r} of {fut!r}",
                     "exception": exc,
                     "future": fut,
                 }
             )
-
-    def matches(self, fn: object) -> bool:
-        return self.fn == fn
 
 
 # -- concurrent.futures -----------------------------------------------------

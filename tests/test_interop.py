@@ -282,6 +282,30 @@ def test_callbacks_asyncio_adds_run_on_its_loop_those_users_add_where_settled(ru
     run(main())
 
 
+def test_an_asyncio_callback_that_raises_goes_to_the_loop_handler_and_spares_the_rest(run):
+    async def main() -> None:
+        reported: list[BaseException] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: reported.append(context["exception"])
+        )
+        ran: list[Future[int]] = []
+        futs: list[Future[int]] = [Future() for _ in range(20)]
+        for fut in futs:
+            fut.add_done_callback(_asyncio_code(lambda f: 1 / 0))
+            fut.add_done_callback(_asyncio_code(ran.append))
+        futs[0].set_result(0)  # settled on the loop's thread: run at once
+        await asyncio.to_thread(lambda: [f.set_result(0) for f in futs[1:]])
+        for _ in range(100):
+            if len(ran) == len(futs):
+                break
+            await asyncio.sleep(0.01)
+        assert ran == futs
+        assert len(reported) == len(futs)
+        assert all(isinstance(exc, ZeroDivisionError) for exc in reported)
+
+    run(main())
+
+
 def test_an_asyncio_callback_whose_loop_closed_runs_where_settled():
     ran: list[int] = []
     fut: Future[int] = Future()
