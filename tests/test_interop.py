@@ -44,7 +44,17 @@ def settle_later(fut: Future[Any], value: Any, delay: float = 0.02) -> None:
     threading.Timer(delay, fut.set_result, args=(value,)).start()
 
 
-@pytest.fixture(params=[asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+async def until(condition: Callable[[], bool]) -> None:
+    """Return once ``condition()`` holds, letting the loop run meanwhile; at most LIMIT s."""
+    deadline = time.monotonic() + LIMIT
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=LOOPS.values(), ids=LOOPS.keys())
 def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, Any]], Any]:
     """Runs a coroutine to its end on a fresh debug-mode loop of the parameter's kind."""
 
@@ -96,6 +106,7 @@ def test_asyncio_wait_with_a_timeout_returns_what_is_pending(run, no_errors_logg
 
     async def main() -> None:
         quick = aiopar.fork(square, 3)
+        await quick
         done, pending = await asyncio.wait([quick, never], timeout=0.05)
         assert done == {quick} and pending == {never}
         never.set_result(1)  # asyncio removed its callback: nothing runs or fails
@@ -177,9 +188,7 @@ def test_every_asyncio_call_takes_a_fork(run, no_errors_logged, call):
     run(main())
 
 
-@pytest.mark.parametrize(
-    "loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
-)
+@pytest.mark.parametrize("loop_factory", LOOPS.values(), ids=LOOPS.keys())
 def test_run_until_complete_takes_a_fork(loop_factory, no_errors_logged):
     loop = loop_factory()
     try:
@@ -272,10 +281,7 @@ def test_callbacks_asyncio_adds_run_on_its_loop_those_users_add_where_settled(ru
         settler = threading.Thread(target=lambda: [f.set_result(0) for f in futs])
         settler.start()
         await asyncio.to_thread(settler.join)
-        for _ in range(100):
-            if len(asyncio_ran) == len(futs):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(asyncio_ran) == len(futs))
         assert asyncio_ran == [loop_thread] * len(futs)
         assert user_ran == [settler.ident] * len(futs)
 
@@ -295,10 +301,7 @@ def test_an_asyncio_callback_that_raises_goes_to_the_loop_handler_and_spares_the
             fut.add_done_callback(_asyncio_code(ran.append))
         futs[0].set_result(0)  # settled on the loop's thread: run at once
         await asyncio.to_thread(lambda: [f.set_result(0) for f in futs[1:]])
-        for _ in range(100):
-            if len(ran) == len(futs):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(ran) == len(futs))
         assert ran == futs
         assert len(reported) == len(futs)
         assert all(isinstance(exc, ZeroDivisionError) for exc in reported)
@@ -434,11 +437,13 @@ def test_concurrent_as_completed_yields_each_once_in_completion_order():
     second: Future[str] = Future()
     done_already: Future[str] = Future()
     done_already.set_result("done")
-    settle_later(first, "first", 0.01)
-    threading.Timer(0.05, second.set_result, args=("second",)).start()
-    futs = [second, first, done_already, first]
-    order = [f.value() for f in concurrent.futures.as_completed(futs, timeout=LIMIT)]
-    assert order == ["done", "first", "second"]
+    finished = concurrent.futures.as_completed([second, first, done_already, first], LIMIT)
+    assert next(finished) is done_already
+    first.set_result("first")
+    assert next(finished) is first
+    settle_later(second, "second")  # the iterator blocks until then
+    assert next(finished) is second
+    assert list(finished) == []  # the duplicate of first came once
 
 
 def test_concurrent_as_completed_timeout():
