@@ -344,11 +344,14 @@ class Future(Generic[T], concurrent.futures.Future):
 
     # -- interop: asyncio and concurrent.futures code --------------------
     #
-    # Future derives from concurrent.futures.Future for isinstance checks
-    # (asyncio.wrap_future, run_in_executor-style code); it overrides every
-    # public method and never runs that class's __init__, whose condition
-    # and lists a future needs only when concurrent.futures.wait() or
-    # as_completed() meets it (see _interop).
+    # Future derives from concurrent.futures.Future so that isinstance
+    # checks pass (asyncio.wrap_future, run_in_executor-style code). It
+    # overrides every public method and never runs that class's __init__,
+    # whose condition and lists a future needs only when
+    # concurrent.futures.wait() or as_completed() meets it (see _interop).
+    # The base brings an instance __dict__, never used, that costs each
+    # future about 32 bytes, in one more small allocation on CPython 3.11
+    # (about 7 ns).
 
     def remove_done_callback(self, fn: Callable[[Future[T]], object]) -> int:
         """Remove every pending callback equal to ``fn``; return how many were removed.
