@@ -19,6 +19,7 @@ from . import _loop
 from ._config import current_backend
 from ._errors import CancelledError
 from ._future import Future, check_timeout
+from ._interop import describe_type, not_a_future_message
 
 __all__ = [
     "TaskGroup",
@@ -59,10 +60,7 @@ def wait(fut: Future[T], timeout: float | None = None) -> T:
 
 def _check_future(fut: object, where: str) -> Future[Any]:
     if not isinstance(fut, Future):
-        raise TypeError(
-            f"{where} takes an aiopar Future, got {type(fut).__name__}; "
-            f"adopt other futures and awaitables with aiopar.wrap()"
-        )
+        raise TypeError(not_a_future_message(fut, where))
     return fut
 
 
@@ -237,7 +235,7 @@ def wrap(obj: Any) -> Future[Any]:
     else:
         raise TypeError(
             "wrap() takes a concurrent.futures.Future, an asyncio future or an awaitable, "
-            f"got {type(obj).__name__}"
+            f"got {describe_type(obj)}; to run a function, use aiopar.fork(fn, *args)"
         )
     return adopted
 

@@ -178,7 +178,7 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
                 waiter.set_result(None)
 
         bridge = _bridge(loop, _asyncio_bridge)
-        fut.add_done_callback(lambda _: bridge.post(wake))
+        fut._add_callback(lambda _: bridge.post(wake))
         owner = bridge.awaiting(_future.get_waiter())
         try:
             yield from waiter

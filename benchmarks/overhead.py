@@ -104,6 +104,22 @@ def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, f
         )
     )
 
+    def concurrent_wait_forks() -> None:
+        futs = [backend.fork(noop) for _ in range(batch)]
+        concurrent.futures.wait(futs)
+
+    def concurrent_wait_submits() -> None:
+        futs = [executor.submit(noop) for _ in range(batch)]
+        concurrent.futures.wait(futs)
+
+    rows.append(
+        (
+            "concurrent.futures.wait of 10,000 forks",
+            "concurrent.futures.wait of 10,000 submits",
+            *paired(concurrent_wait_forks, concurrent_wait_submits, batch, rounds),
+        )
+    )
+
     # concurrent.futures runs a chain's callbacks recursively, so its chains
     # must stay short: both sides build many chains of 200 links.
     chain, chains = 200, max(1, int(250 * scale))
@@ -172,6 +188,14 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
     async def gather_to_thread() -> None:
         await asyncio.gather(*[asyncio.to_thread(noop) for _ in range(gathered)])
 
+    async def asyncio_wait_forks() -> None:
+        await asyncio.wait([backend.fork(noop) for _ in range(gathered)])
+
+    async def asyncio_wait_to_thread() -> None:
+        await asyncio.wait(
+            [asyncio.ensure_future(asyncio.to_thread(noop)) for _ in range(gathered)]
+        )
+
     rows = []
     for loop_name, new_loop in loops:
         loop = new_loop()
@@ -189,6 +213,15 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
                 f"gather of 2,000 forks ({loop_name})",
                 "gather of 2,000 to_thread",
                 *paired(on_loop(gather_forks), on_loop(gather_to_thread), gathered, rounds),
+            )
+        )
+        rows.append(
+            (
+                f"asyncio.wait of 2,000 forks ({loop_name})",
+                "asyncio.wait of 2,000 to_thread",
+                *paired(
+                    on_loop(asyncio_wait_forks), on_loop(asyncio_wait_to_thread), gathered, rounds
+                ),
             )
         )
         loop.close()
