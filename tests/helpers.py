@@ -3,18 +3,45 @@ test (by its timeout) instead of stalling the suite."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 from typing import Any
 
 
-def python(*argv: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run this Python with ``argv`` and return what it did, output captured as text
-    (unless ``kwargs`` sends it elsewhere)."""
-    if "stdout" not in kwargs and "stderr" not in kwargs:
-        kwargs["capture_output"] = True
-    return subprocess.run([sys.executable, *argv], text=True, timeout=timeout, **kwargs)
+def python(
+    *argv: str,
+    timeout: float = 60,
+    input: str | None = None,
+    check: bool = False,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess[str]:
+    """Run this Python with ``argv`` and return what it did, its output
+    captured as text unless ``kwargs`` sends it elsewhere.
+
+    The child leads a process group of its own: on timeout the whole group
+    is killed, so a grandchild it forked cannot keep the pipes open and the
+    call from returning.
+    """
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    with subprocess.Popen(
+        [sys.executable, *argv], text=True, start_new_session=True, **kwargs
+    ) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def run_python(code: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
