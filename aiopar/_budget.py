@@ -576,7 +576,16 @@ class Slot:
 
     # -- the waiter protocol: this slot's thread blocks in Future.wait --
 
+    def _idle(self) -> bool:
+        # Nothing of this thread counts, or can start to while it waits: no
+        # task of its own runs and none of its forks is out (so no other
+        # thread touches this slot), as for an event loop's thread.
+        return not (self.counted or self.running or self.forks_unfinished)
+
     def blocked(self) -> None:
+        if self._idle():
+            self.is_blocked = True
+            return
         self._waits()
         with self.lock:
             counted, since = self.counted, self.counted_since
@@ -589,6 +598,9 @@ class Slot:
         budget.follow()
 
     def resumed(self) -> None:
+        if self._idle():
+            self.is_blocked = False
+            return
         with self.lock:
             self.is_blocked = False
             self._recount()

@@ -14,6 +14,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -201,6 +203,20 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
         loop = new_loop()
         loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers))
         on_loop = functools.partial(_run_on, loop)
+        round_trip = RoundTrip(loop)
+        rows.append(
+            (
+                f"sequential await fork(noop) ({loop_name})",
+                "the limit: bare loop-to-thread round trip",
+                *paired(
+                    on_loop(await_forks),
+                    on_loop(functools.partial(round_trip.sequential, n)),
+                    n,
+                    rounds,
+                ),
+            )
+        )
+        round_trip.close()
         rows.append(
             (
                 f"sequential await fork(noop) ({loop_name})",
@@ -226,6 +242,57 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
         )
         loop.close()
     return rows
+
+
+class RoundTrip:
+    """The limit of any ``await`` on work done in another thread, with no
+    library: the loop hands a job to one plain thread through a lock, the
+    thread answers with one eventfd write the loop watches (where there is
+    eventfd, else ``call_soon_threadsafe``), and the loop awaits a plain
+    future. Each await pays the two cross-thread wake-ups and nothing else.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.job = threading.Lock()
+        self.job.acquire()
+        self.waiter: asyncio.Future[None] | None = None
+        self.answer: Callable[[], None]
+        self.fd = -1
+        if hasattr(os, "eventfd"):
+            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            loop.add_reader(self.fd, self._on_answer)
+            self.answer = functools.partial(os.eventfd_write, self.fd, 1)
+        else:
+            self.answer = lambda: loop.call_soon_threadsafe(self._on_answer)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self.job.acquire()
+            if self.waiter is None:
+                return
+            self.answer()
+
+    def _on_answer(self) -> None:
+        if self.fd >= 0:
+            os.eventfd_read(self.fd)
+        self.waiter.set_result(None)  # type: ignore[union-attr]
+
+    async def sequential(self, n: int) -> None:
+        for _ in range(n):
+            self.waiter = self.loop.create_future()
+            self.job.release()
+            await self.waiter
+
+    def close(self) -> None:
+        self.waiter = None
+        self.job.release()
+        self.thread.join()
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
 
 
 def _run_on(
