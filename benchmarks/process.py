@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
+from _timing import median_times
 
 import aiopar
 
@@ -57,19 +56,6 @@ def echo(a: np.ndarray) -> np.ndarray:
 
 def make_bytes(n: int) -> bytes:
     return b"x" * n
-
-
-def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median seconds of each run, the runs taking turns round by round."""
-    for run in runs.values():
-        run()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def batched(submit: Callable[..., Any], n: int) -> Callable[[], None]:

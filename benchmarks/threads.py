@@ -27,6 +27,7 @@ import threading
 import time
 
 import numpy as np
+from _timing import round_times
 from threadpoolctl import threadpool_info
 
 import aiopar
@@ -143,14 +144,10 @@ def bench_slow_thread(serial: float, rounds: int) -> None:
         "parallel_for": lambda: aiopar.parallel_for(0, n, 1, sleepy_chunk),
     }
     aiopar.set_num_threads(2)  # two threads even where the budget would give one
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    medians = {
+        name: statistics.median(ts) for name, ts in round_times(runs, rounds, warm_up=False).items()
+    }
     aiopar.set_num_threads(None)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
     anchor = medians["serial sleep (anchor)"]
     print(f"\nparallel_for, 2 threads, the helper 3x slower (sleeps; {serial:g} s serial)")
     print(f"  {'run':<36}{'time':>9}{'vs serial':>11}")
