@@ -115,24 +115,9 @@ def quiet_asyncio(caplog):
         gc.collect()
 
 
-@pytest.mark.usefixtures("quiet_asyncio")
-def test_a_coroutine_fork_on_a_closed_loop_settles_when_waited_for():
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        fut = aiopar.fork(forever)
-        await asyncio.sleep(0.01)
-        return fut
-
-    fut = loop.run_until_complete(start())
-    loop.close()  # with the fork still suspended in it
-    with pytest.raises(aiopar.CancelledError, match="was closed before it finished"):
-        fut.wait(timeout=5)
-    del loop
-
-
-@pytest.mark.usefixtures("quiet_asyncio")
-def test_a_coroutine_fork_on_a_dropped_loop_settles_when_collected():
+def fork_left_suspended_on_a_closed_loop() -> aiopar.Future[None]:
+    """A coroutine fork that started on a loop that was then closed with
+    the fork still suspended in it (the loop is left for the caller to drop)."""
     loop = asyncio.new_event_loop()
 
     async def start():
@@ -142,8 +127,20 @@ def test_a_coroutine_fork_on_a_dropped_loop_settles_when_collected():
 
     fut = loop.run_until_complete(start())
     loop.close()
-    del loop
-    gc.collect()
+    return fut
+
+
+@pytest.mark.usefixtures("quiet_asyncio")
+def test_a_coroutine_fork_on_a_closed_loop_settles_when_waited_for():
+    fut = fork_left_suspended_on_a_closed_loop()
+    with pytest.raises(aiopar.CancelledError, match="was closed before it finished"):
+        fut.wait(timeout=5)
+
+
+@pytest.mark.usefixtures("quiet_asyncio")
+def test_a_coroutine_fork_on_a_dropped_loop_settles_when_collected():
+    fut = fork_left_suspended_on_a_closed_loop()
+    gc.collect()  # the loop is gone
     assert fut.done()
     assert isinstance(fut.exception(timeout=0), aiopar.CancelledError)
 

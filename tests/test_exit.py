@@ -26,6 +26,14 @@ def wait_for_line(proc, text: str, timeout: float = 20) -> str:
     raise AssertionError(f"the child never printed {text!r}: {proc.communicate()}")
 
 
+def interrupt_exits_at_once(proc) -> None:
+    """Ctrl-C while exit waits: the child exits at once, as interrupted."""
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 130
+    assert time.monotonic() - sent < 5
+
+
 def test_exit_finishes_a_coroutine_fork_a_thread_task_waits_for():
     done = run_python(
         """
@@ -83,10 +91,7 @@ def test_exit_says_what_it_waits_for_and_ctrl_c_ends_it_at_once():
         assert time.monotonic() < deadline
         assert "aiopar: waiting for 1 running task to finish before exit" in stderr_line
         assert "forever (coroutine)" in stderr_line
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 130
-        assert time.monotonic() - sent < 5
+        interrupt_exits_at_once(proc)
     finally:
         proc.kill()
         proc.communicate()
@@ -165,10 +170,7 @@ def test_a_second_ctrl_c_exits_without_waiting():
         deadline = time.monotonic() + 20
         while "aiopar: waiting for" not in proc.stderr.readline():  # after the traceback
             assert time.monotonic() < deadline
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 130
-        assert time.monotonic() - sent < 5
+        interrupt_exits_at_once(proc)
     finally:
         proc.kill()
         proc.communicate()
