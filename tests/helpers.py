@@ -21,23 +21,21 @@ def python(
     """Run this Python with ``argv`` and return what it did, its output
     captured as text unless ``kwargs`` sends it elsewhere.
 
-    The child leads a process group of its own: on timeout the whole group
-    is killed, so a grandchild it forked cannot keep the pipes open and the
-    call from returning.
+    The child leads a process group of its own: on timeout, or anything else
+    that ends the call, the whole group is killed, so neither a hung child
+    nor a grandchild it forked can keep the call from returning.
     """
     kwargs.setdefault("stdout", subprocess.PIPE)
     kwargs.setdefault("stderr", subprocess.PIPE)
     if input is not None:
         kwargs["stdin"] = subprocess.PIPE
-    with subprocess.Popen(
-        [sys.executable, *argv], text=True, start_new_session=True, **kwargs
-    ) as proc:
-        try:
-            out, err = proc.communicate(input, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
+    proc = subprocess.Popen([sys.executable, *argv], text=True, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except BaseException:  # the timeout, or the test's own (pytest-timeout)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check:
         done.check_returncode()

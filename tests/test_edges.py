@@ -212,7 +212,7 @@ FORK_CHILD = """
     ids=["os.fork", "multiprocessing fork"],
 )
 def test_a_forked_child_can_use_every_backend(start_child):
-    done = run_python(FORK_CHILD.format(start_child=start_child), timeout=60)
+    done = run_python(FORK_CHILD.format(start_child=start_child), timeout=45)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "child ok\nchild ok\n"
 
