@@ -124,7 +124,8 @@ class Future(Generic[T], concurrent.futures.Future):
                 detail = f" returned {type(self._result).__name__}"
         else:
             detail = ""
-        return f"<{type(self).__name__} at {id(self):#x} {_STATE_NAMES[state]}{detail}>"
+        # "aiopar.Future": next to concurrent.futures' and asyncio's own in messages
+        return f"<aiopar.{type(self).__name__} at {id(self):#x} {_STATE_NAMES[state]}{detail}>"
 
     # -- state -------------------------------------------------------------
 
@@ -557,7 +558,7 @@ class _Unretrieved:
     def __init__(self, fut: Future[Any], exception: BaseException) -> None:
         self.exception: BaseException | None = exception
         # Not repr(fut): the future is still being settled.
-        self.future_repr = f"<{type(fut).__name__} at {id(fut):#x}>"
+        self.future_repr = f"<aiopar.{type(fut).__name__} at {id(fut):#x}>"
 
     def __del__(self) -> None:
         exc = self.exception
