@@ -132,7 +132,7 @@ class _AsCompleted(Iterator[Future[T]], AsyncIterator[Future[T]]):
 
     def __init__(self, futs: Iterable[Future[T]], timeout: float | None) -> None:
         futures = list(dict.fromkeys(_future_list(futs, "as_completed()")))
-        check_timeout(timeout)
+        timeout = check_timeout(timeout)  # None for "for ever", also when huge
         self._total = self._remaining = len(futures)
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
