@@ -23,7 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from . import _loop, _trace
 from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback
-from ._log import logger
+from ._log import logger as _logger
 
 __all__ = ["Future", "Waiter", "get_waiter", "set_waiter"]
 
@@ -33,7 +33,6 @@ U = TypeVar("U")
 PENDING, RUNNING, CANCELLED, FINISHED = 0, 1, 2, 3
 _STATE_NAMES = ("pending", "running", "cancelled", "finished")
 
-_logger = logger
 
 # Per-thread state: `deferred` holds the callbacks of futures settled while
 # this thread was already running callbacks (so long then() chains run in a

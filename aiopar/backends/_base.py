@@ -149,11 +149,6 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
-def check_max_workers(max_workers: object) -> None:
-    """Refuse a worker count that is not None or a whole number >= 1."""
-    check_count(max_workers, "max_workers", none="the default")
-
-
 def raise_not_callable(fn: object, where: str) -> None:
     raise TypeError(
         f"{where} needs a callable as its first argument, got {type(fn).__name__} {fn!r:.60}; "

@@ -73,7 +73,7 @@ from .. import _budget, _config, _future
 from .._errors import BrokenWorkerError
 from .._future import Future
 from . import _process_wire as wire
-from ._base import Backend, Task, check_count, check_max_workers
+from ._base import Backend, Task, check_count
 
 __all__ = ["ProcessBackend", "RemoteTraceback"]
 
@@ -245,7 +245,7 @@ class ProcessBackend(Backend):
         prefetch: int | None = None,
         grace: float | None = _GRACE,
     ) -> None:
-        check_max_workers(max_workers)
+        check_count(max_workers, "max_workers", none="the default")
         check_count(prefetch, "prefetch", minimum=0, none="adaptive")
         if grace is not None and (
             not isinstance(grace, int | float) or isinstance(grace, bool) or not grace >= 0

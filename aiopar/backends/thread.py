@@ -19,7 +19,7 @@ import weakref
 
 from .. import _budget, _future
 from .._loop import on_event_loop
-from ._base import Backend, Task, check_max_workers
+from ._base import Backend, Task, check_count
 
 __all__ = ["COMPENSATION_LIMIT", "ThreadBackend"]
 
@@ -102,7 +102,7 @@ class ThreadBackend(Backend):
     task_class = _BudgetedTask
 
     def __init__(self, max_workers: int | None = None) -> None:
-        check_max_workers(max_workers)
+        check_count(max_workers, "max_workers", none="the default")
         super().__init__()
         self._max_workers = max_workers
         self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
