@@ -14,8 +14,9 @@ is in this module:
    not blocked in ``wait`` and either runs a task (a pool worker, or a waiter
    that runs another thread's task itself) or is a thread outside the pools
    whose forks run on workers (it computes beside them). A fork its forker
-   runs itself changes nothing. Each chunk of a running ``parallel_for``
-   counts.
+   runs itself changes nothing. A pool worker that goes from one task
+   straight to a queued one counts on in between. Each chunk of a running
+   ``parallel_for`` counts.
 3. **A forker counts from the fork.** A fork for which an idle worker is
    woken holds a token from the fork on, so its forker's next BLAS call
    already leaves the cores the fork will use, and the forker counts beside
@@ -439,10 +440,17 @@ class Slot:
     thread outside the pools.
 
     A slot holds one token while it counts. Its own thread calls
-    :meth:`task_started` / :meth:`task_ended` around each task it runs and,
-    through the waiter protocol, :meth:`blocked` / :meth:`blocked_long` /
-    :meth:`resumed`; a pool calls :meth:`forked`, :meth:`fork_taken` and
-    :meth:`fork_finished` on the slot of the thread that forked a task.
+    :meth:`task_started` / :meth:`task_ended` around each task it runs,
+    :meth:`went_idle` when it finds no task (a pool's worker) and, through
+    the waiter protocol, :meth:`blocked` / :meth:`blocked_long` /
+    :meth:`resumed`; a pool calls :meth:`forked` in the thread that forks a
+    task, and :meth:`fork_taken` and :meth:`fork_finished` on that thread's
+    slot from the thread that runs it.
+
+    Only a slot's own thread writes its counters; other threads set
+    ``elsewhere`` and ``sharing``. A transition that may change whether the
+    slot counts recounts under ``lock``; one that cannot (the common case,
+    task after task) takes no lock.
     """
 
     __slots__ = (
@@ -451,7 +459,7 @@ class Slot:
         "counted_since",
         "elsewhere",
         "forked_at",
-        "forks_unfinished",
+        "forks",
         "is_blocked",
         "is_worker",
         "lock",
@@ -465,7 +473,9 @@ class Slot:
         self.is_worker = is_worker
         self.running = 0  # tasks this thread runs that count (nested ones too)
         self.running_own = 0  # forks of its own it runs (they count only beside others)
-        self.forks_unfinished = 0  # its forks not finished (nor cancelled) yet
+        # One item per fork of this thread not finished (nor cancelled) yet:
+        # forks append and finishing threads pop, both atomic without a lock.
+        self.forks: deque[None] = deque()
         self.elsewhere = False  # another thread started one of them
         self.sharing = False  # it counts for its forks (rule 3)
         self.anticipates = True  # rule 3: it computes beside its forks
@@ -500,30 +510,46 @@ class Slot:
             self._waits()
             if reserved:
                 budget.give_back(now=True)
-            with self.lock:
-                self.running_own += 1
-                if self.elsewhere:  # it computes beside its other forks after all
+            self.running_own += 1
+            if self.elsewhere and not self.sharing:  # it computes beside its other forks after all
+                with self.lock:
                     self._share(anyway=True)
             return
-        with self.lock:
-            self.running += 1
-            self._recount(reserved)
+        self.running += 1
+        # A thread that counts already (it is not blocked: it runs this task)
+        # goes on counting.
+        if reserved or not self.counted:
+            with self.lock:
+                self._recount(reserved)
         if forker is not None:
             forker.fork_taken()
         if budget.per_thread:
             budget.apply_here()
 
-    def task_ended(self, forker: Slot | None) -> None:
-        """The task started by the matching :meth:`task_started` ended."""
+    def task_ended(self, forker: Slot | None, *, linger: bool = False) -> None:
+        """The task started by the matching :meth:`task_started` ended.
+
+        With ``linger`` (a pool's worker that goes on to a queued task) the
+        thread keeps counting until its next transition, so a stream of
+        tasks does not take and give back a token for each one.
+        """
         if forker is self:
-            with self.lock:
-                self.running_own -= 1
-                self._fork_finished()
+            self.running_own -= 1
+            self._fork_finished()
             return
         if forker is not None:
             forker.fork_finished()
+        self.running -= 1
+        if not linger:
+            self._stop_unless_running()
+
+    def went_idle(self) -> None:
+        """This thread, a pool's worker, found no task to run."""
+        if self.counted and not self.running:
+            self._stop_unless_running()
+
+    def _stop_unless_running(self) -> None:
         with self.lock:
-            self.running -= 1
             self._recount()
             idle = not self.counted
         if idle and budget.per_thread:
@@ -533,14 +559,18 @@ class Slot:
 
     def forked(self, woken: bool) -> None:
         """This thread forked a task; ``woken`` if an idle worker was woken for it."""
-        with self.lock:
-            self.forks_unfinished += 1
-            self.forked_at = time.monotonic()
-            if woken:
+        self.forks.append(None)
+        self.forked_at = time.monotonic()
+        if woken and self.anticipates and not self.sharing:
+            with self.lock:
                 self._share()
 
     def fork_taken(self) -> None:
         """Another thread started one of this thread's forks."""
+        # Nothing changes once it is known to count for its forks, or known
+        # not to (it forks and waits, and runs none of them itself).
+        if self.elsewhere and (self.sharing or not (self.anticipates or self.running_own)):
+            return
         with self.lock:
             self.elsewhere = True
             self._share(anyway=self.running_own > 0)
@@ -553,26 +583,26 @@ class Slot:
 
     def fork_finished(self) -> None:
         """One of this thread's forks ended, or was cancelled before it started."""
-        with self.lock:
-            self._fork_finished()
+        self._fork_finished()
 
     def _fork_finished(self) -> None:
-        # Called with self.lock held.
-        self.forks_unfinished -= 1
-        if not self.forks_unfinished:
-            self.elsewhere = False
-            if self.sharing:
-                self.sharing = False
-                self._recount()
+        forks = self.forks
+        forks.pop()
+        if not forks:
+            with self.lock:
+                if not forks:  # no fork came meanwhile
+                    self.elsewhere = False
+                    if self.sharing:
+                        self.sharing = False
+                        self._recount()
 
     def _waits(self) -> None:
         """This thread waits for a future: rule 3 learns how it forks. Only
         a wait at once with a single fork out is ``fork(f).wait()``: a thread
         with several forks out goes on to run some of them itself."""
-        if self.forks_unfinished:
-            self.anticipates = (
-                self.forks_unfinished > 1 or time.monotonic() - self.forked_at >= WAITS_AT_ONCE
-            )
+        forks = len(self.forks)
+        if forks:
+            self.anticipates = forks > 1 or time.monotonic() - self.forked_at >= WAITS_AT_ONCE
 
     # -- the waiter protocol: this slot's thread blocks in Future.wait --
 
@@ -580,7 +610,7 @@ class Slot:
         # Nothing of this thread counts, or can start to while it waits: no
         # task of its own runs and none of its forks is out (so no other
         # thread touches this slot), as for an event loop's thread.
-        return not (self.counted or self.running or self.forks_unfinished)
+        return not (self.counted or self.running or self.forks)
 
     def blocked(self) -> None:
         if self._idle():

@@ -34,6 +34,8 @@ __all__ = [
     "wait_on_loop",
 ]
 
+_get_running_loop = asyncio._get_running_loop
+
 
 class _Bridge:
     """Runs callables on one event loop's thread, one wake-up per batch.
@@ -153,14 +155,15 @@ def running_async_library() -> str | None:
     into forked tasks, so in a worker thread it may name a loop that runs
     elsewhere.
     """
-    if asyncio._get_running_loop() is not None:
+    if _get_running_loop() is not None:
         return "asyncio"
     return sniffio.thread_local.name  # trio sets it while its loop runs here
 
 
 def on_event_loop() -> bool:
     """Whether an asyncio, uvloop or trio loop runs in this thread."""
-    return running_async_library() is not None
+    # running_async_library() spelled out: every fork outside a pool asks.
+    return _get_running_loop() is not None or sniffio.thread_local.name is not None
 
 
 def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]:
@@ -169,7 +172,7 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
     If the coroutine is cancelled meanwhile and ``cancel`` is true, ``fut`` is
     cancelled too, which succeeds only if its task has not started.
     """
-    loop = asyncio._get_running_loop()
+    loop = _get_running_loop()
     if loop is not None:
         waiter = loop.create_future()
 
@@ -339,7 +342,7 @@ class _CoroutineFork:
         if loop is None or loop.is_closed():
             self.abandoned("was closed before it finished")
             return False
-        return asyncio._get_running_loop() is loop
+        return _get_running_loop() is loop
 
     def abandoned(self, what_happened: str) -> None:
         """The loop will never run the coroutine to its end: settle the future."""

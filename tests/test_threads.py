@@ -298,6 +298,33 @@ def test_a_fork_run_by_its_forker_changes_no_blas_setting(monkeypatch):
     assert changes == []
 
 
+def test_a_worker_running_queued_tasks_back_to_back_counts_once(monkeypatch):
+    # A worker that goes on to a queued task keeps its share between tasks
+    # rather than giving it back and taking it again for each task, and
+    # gives it back once it finds no task.
+    taken_in_workers = []
+    take = budget.take
+
+    def counted_take():
+        if threading.current_thread().name.startswith("aiopar-"):
+            taken_in_workers.append(threading.current_thread().name)
+        take()
+
+    backend = aiopar.get_backend("thread", max_workers=1)
+    gate = threading.Event()
+    try:
+        first = backend.fork(gate.wait, 10)
+        queued = [backend.fork(int, "1") for _ in range(100)]
+        monkeypatch.setattr(budget, "take", counted_take)
+        gate.set()
+        for fut in [first, *queued]:
+            fut.wait(timeout=10)  # with a timeout a waiter never runs a task itself
+        settle()
+    finally:
+        backend.shutdown()
+    assert len(taken_in_workers) <= 1, taken_in_workers
+
+
 def test_a_callback_that_blocks_in_a_worker_after_its_task_leaves_the_budget_whole():
     # A done-callback runs in the worker that settled the future, after its
     # task has stopped counting: blocking there must not give back a share

@@ -54,8 +54,8 @@ class _BudgetedTask(Task):
             outcome = self.call()
         finally:
             # Uncounted before the future settles, so a waiter resumes with
-            # the right count.
-            slot.task_ended(forker)
+            # the right count, unless this thread goes on to a queued task.
+            slot.task_ended(forker, linger=bool(self.backend._tasks))  # type: ignore[attr-defined]
         self.settle(future, outcome)
 
     def release_budget(self) -> None:
@@ -179,7 +179,14 @@ class ThreadBackend(Backend):
         worker: _Worker = threading.current_thread()._aiopar_worker  # type: ignore[attr-defined]
         worker.slot = _budget.worker_slot()
         _future.set_waiter(worker)
+        try:
+            self._run_tasks(worker)
+        finally:
+            worker.slot.went_idle()  # a worker that lingered stops counting as it stops
+
+    def _run_tasks(self, worker: _Worker) -> None:
         tasks = self._tasks
+        slot = worker.slot
         wake_up = threading.Lock()
         wake_up.acquire()
         while True:
@@ -190,6 +197,7 @@ class ThreadBackend(Backend):
             try:
                 task = tasks.popleft()
             except IndexError:
+                slot.went_idle()  # type: ignore[union-attr]
                 with self._lock:
                     if tasks:
                         continue
