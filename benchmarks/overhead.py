@@ -106,6 +106,19 @@ def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, f
         )
     )
 
+    # The floor: the same forks on the inline backend make the same future
+    # and task and run the same call, with no queue, no other thread and no
+    # budget; what the pool adds is the difference.
+    inline_batch = batched_forks(aiopar.get_backend("inline"), batch)
+
+    rows.append(
+        (
+            "fork 10,000 then wait all",
+            "the floor: the same on the inline backend (no thread)",
+            *paired(fork_batch, inline_batch, batch, rounds),
+        )
+    )
+
     def concurrent_wait_forks() -> None:
         futs = [backend.fork(noop) for _ in range(batch)]
         concurrent.futures.wait(futs)
@@ -190,6 +203,11 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
     async def gather_to_thread() -> None:
         await asyncio.gather(*[asyncio.to_thread(noop) for _ in range(gathered)])
 
+    async def gather_done() -> None:
+        # asyncio wraps each awaitable that is not its own future in a Task:
+        # this is that cost alone, for futures that are done already.
+        await asyncio.gather(*[_done_future() for _ in range(gathered)])
+
     async def asyncio_wait_forks() -> None:
         await asyncio.wait([backend.fork(noop) for _ in range(gathered)])
 
@@ -233,6 +251,13 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
         )
         rows.append(
             (
+                f"gather of 2,000 forks ({loop_name})",
+                "the floor: gather of 2,000 futures done already",
+                *paired(on_loop(gather_forks), on_loop(gather_done), gathered, rounds),
+            )
+        )
+        rows.append(
+            (
                 f"asyncio.wait of 2,000 forks ({loop_name})",
                 "asyncio.wait of 2,000 to_thread",
                 *paired(
@@ -242,6 +267,12 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
         )
         loop.close()
     return rows
+
+
+def _done_future() -> aiopar.Future[None]:
+    fut: aiopar.Future[None] = aiopar.Future()
+    fut.set_result(None)
+    return fut
 
 
 class RoundTrip:
