@@ -529,9 +529,10 @@ class Slot:
     def task_ended(self, forker: Slot | None, *, linger: bool = False) -> None:
         """The task started by the matching :meth:`task_started` ended.
 
-        With ``linger`` (a pool's worker that goes on to a queued task) the
-        thread keeps counting until its next transition, so a stream of
-        tasks does not take and give back a token for each one.
+        With ``linger`` (tasks are queued) a pool's worker keeps counting
+        until its next transition, which :meth:`went_idle` guarantees, so a
+        stream of tasks does not take and give back a token for each one.
+        Any other thread stops counting at once.
         """
         if forker is self:
             self.running_own -= 1
@@ -540,7 +541,7 @@ class Slot:
         if forker is not None:
             forker.fork_finished()
         self.running -= 1
-        if not linger:
+        if not (linger and self.is_worker):
             self._stop_unless_running()
 
     def went_idle(self) -> None:

@@ -325,6 +325,25 @@ def test_a_worker_running_queued_tasks_back_to_back_counts_once(monkeypatch):
     assert len(taken_in_workers) <= 1, taken_in_workers
 
 
+def test_a_thread_outside_the_pools_stops_counting_when_the_task_it_ran_ends():
+    # Only a pool's worker keeps its share between queued tasks; a thread
+    # that ran a queued task while waiting for it gives its share back at
+    # once, however many tasks are still queued.
+    backend = aiopar.get_backend("thread", max_workers=1)
+    gate = threading.Event()
+    try:
+        busy = backend.fork(gate.wait, 10)
+        queued = [backend.fork(int, "1") for _ in range(3)]
+        other = threading.Thread(target=queued[0].wait)  # it runs queued[0] itself
+        other.start()
+        other.join(timeout=10)
+        gate.set()
+        assert [busy.wait(), *aiopar.wait_all(queued)] == [True, 1, 1, 1]
+        settle()
+    finally:
+        backend.shutdown()
+
+
 def test_a_callback_that_blocks_in_a_worker_after_its_task_leaves_the_budget_whole():
     # A done-callback runs in the worker that settled the future, after its
     # task has stopped counting: blocking there must not give back a share

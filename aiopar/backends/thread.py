@@ -54,7 +54,7 @@ class _BudgetedTask(Task):
             outcome = self.call()
         finally:
             # Uncounted before the future settles, so a waiter resumes with
-            # the right count, unless this thread goes on to a queued task.
+            # the right count, unless a worker goes on to a queued task.
             slot.task_ended(forker, linger=bool(self.backend._tasks))  # type: ignore[attr-defined]
         self.settle(future, outcome)
 
