@@ -23,8 +23,9 @@ def parallel_info() -> str:
 
     Lists the backends (available and current), the interop workers, the
     intra-op threads and how they were decided, the BLAS/OpenMP libraries
-    threadpoolctl sees with their thread counts (and who set a count when it
-    was not aiopar, such as a ``threadpool_limits`` block in some thread),
+    threadpoolctl sees with their thread counts and, for OpenBLAS and BLIS,
+    the CPU kernels they chose (and who set a count when it was not aiopar,
+    such as a ``threadpool_limits`` block in some thread),
     the environment variables that set thread counts (and any that are set
     but ignored), and a warning line for each setting that oversubscribes
     the cores.
@@ -65,10 +66,13 @@ def parallel_info() -> str:
                 if thread is None
                 else f"threadpoolctl in thread {thread!r}"
             )
+        # The kernels OpenBLAS and BLIS chose for this CPU: a library that
+        # does not recognise a CPU falls back to older, slower ones.
+        kernels = lib.get("architecture")
         lines.append(
             f"  {lib['internal_api']} {lib.get('version') or '?'} ({lib['user_api']}"
-            f"{', ' + layer if layer else ''}): {_plural(lib['num_threads'], 'thread')}"
-            f"{held}, {os.path.basename(lib['filepath'])}"
+            f"{', ' + layer if layer else ''}{f', {kernels} kernels' if kernels else ''}): "
+            f"{_plural(lib['num_threads'], 'thread')}{held}, {os.path.basename(lib['filepath'])}"
         )
         if held:
             until = f"it is back to {lib['aiopar_count']}, the count the budget gave it"

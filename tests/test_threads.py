@@ -233,6 +233,8 @@ def test_parallel_info_reports_the_settings():
     assert "openmp" in info.split("backends:")[1].splitlines()[0]
     assert f"intra-op threads: {cores()} (budget" in info
     assert "openblas" in info  # numpy's BLAS, found by threadpoolctl
+    openblas = next(lib for lib in threadpool_info() if lib["internal_api"] == "openblas")
+    assert f"{openblas['architecture']} kernels" in info  # which kernels it runs
     assert "OMP_NUM_THREADS=" in info and "OPENBLAS_NUM_THREADS=" in info
     assert "WARNING" not in info
 

@@ -5,8 +5,8 @@ side with a share of the cores each, it runs them one after another on a
 single lane thread, in fork order, and lets each split its own work across
 all the intra-op threads (BLAS and OpenMP threads, and ``parallel_for``).
 That is the faster choice when tasks are few and their operations parallelise
-well (large matrix products, big elementwise ufuncs); results are the same as
-on "thread".
+well (large matrix products, big elementwise ufuncs); results agree with
+"thread" up to the rounding a BLAS may change with its thread count.
 """
 
 from __future__ import annotations
