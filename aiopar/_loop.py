@@ -127,8 +127,9 @@ def _asyncio_bridge(loop: asyncio.AbstractEventLoop) -> _Bridge:
         return _call_soon_bridge(bridge, loop, "call_soon_threadsafe")
     bridge.wake = functools.partial(os.eventfd_write, fd, 1)
     # Nothing can post once the loop is gone: every posted callable holds
-    # an awaiting future of that loop.
-    weakref.finalize(loop, os.close, fd)
+    # an awaiting future of that loop. Not at exit: a loop that still runs
+    # then (aiopar's own, finishing its forks) is still woken through it.
+    weakref.finalize(loop, os.close, fd).atexit = False
     return bridge
 
 
@@ -421,8 +422,9 @@ def _start_asyncio(fork: _CoroutineFork, run: Callable[[], Any], context: Any) -
         fork.future._task = None
 
     task.add_done_callback(done)
-    # Collected unfinished, with its loop dropped.
-    weakref.finalize(task, fork.abandoned, "was closed before it finished")
+    # Collected unfinished, with its loop dropped. Not at exit, which runs
+    # the forks on aiopar's own loop to their end.
+    weakref.finalize(task, fork.abandoned, "was closed before it finished").atexit = False
 
 
 def _after_fork_in_child() -> None:

@@ -72,6 +72,36 @@ def test_exit_runs_the_coroutine_forks_still_queued_on_the_owned_loop():
     assert sorted(done.stdout.splitlines()) == [f"ran {i}" for i in range(5)]
 
 
+def test_exit_runs_a_coroutine_fork_that_is_on_the_loop_but_has_not_started():
+    # Exit must not take a fork whose task exists but has not taken its
+    # first step for one the loop dropped, and cancel it.
+    done = run_python(
+        """
+        import asyncio, threading, time, aiopar
+
+        loop_of = {}
+        blocking = threading.Event()
+
+        async def block_the_loop(seconds):
+            loop_of["owned"] = asyncio.get_running_loop()
+            blocking.set()
+            time.sleep(seconds)  # nothing else on the loop runs meanwhile
+
+        async def step():
+            print("ran", flush=True)
+
+        aiopar.fork(block_the_loop, 0.1)
+        blocking.wait()
+        aiopar.fork(step)  # its task is made once the loop is free...
+        loop_of["owned"].call_soon_threadsafe(time.sleep, 1.0)  # ...and waits behind this
+        time.sleep(0.5)  # exit while it waits
+        """,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["ran"]
+
+
 def test_exit_says_what_it_waits_for_and_ctrl_c_ends_it_at_once():
     proc = start_python(
         """
