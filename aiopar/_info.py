@@ -86,8 +86,51 @@ def parallel_info() -> str:
         + ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in _budget.THREAD_ENV_VARS)
     )
     lines.extend(f"note: {why}" for why in budget.env_ignored)
+    lines.extend(f"note: {why}" for why in _older_kernels(libraries, _cpu_flags()))
     lines.extend(f"WARNING: {w}" for w in _oversubscription(libraries, backend))
     return "\n".join(lines)
+
+
+#: what OpenBLAS's SkylakeX kernels need of the CPU
+_AVX512_FLAGS = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU (Linux), else an empty set."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _older_kernels(libraries: list[dict[str, Any]], flags: frozenset[str]) -> list[str]:
+    """A sentence for an OpenBLAS that runs kernels without AVX-512 on a CPU
+    that has it: ``OPENBLAS_CORETYPE`` chose them, or OpenBLAS did not
+    recognise the CPU."""
+    if not _AVX512_FLAGS.issubset(flags):
+        return []
+    coretype = os.environ.get("OPENBLAS_CORETYPE")
+    notes = []
+    for lib in libraries:
+        kernels = lib.get("architecture")
+        if lib["internal_api"] != "openblas" or kernels not in ("Haswell", "Zen", "Sandybridge"):
+            continue
+        if coretype:
+            why = f"OPENBLAS_CORETYPE={coretype} chose them; unset, OpenBLAS picks its own"
+        else:
+            why = (
+                "it did not recognise the CPU; OPENBLAS_CORETYPE=SkylakeX, set before numpy "
+                "is imported, selects its AVX-512 kernels"
+            )
+        notes.append(
+            f"OpenBLAS runs its {kernels} kernels, without AVX-512, on a CPU that has "
+            f"AVX-512 ({why}); matrix products may take twice as long"
+        )
+    return notes
 
 
 def _oversubscription(libraries: list[dict[str, Any]], backend: Backend | None) -> list[str]:

@@ -239,6 +239,43 @@ def test_parallel_info_reports_the_settings():
     assert "WARNING" not in info
 
 
+@pytest.mark.parametrize(
+    ("architecture", "flags", "coretype", "noted"),
+    [
+        ("Haswell", "avx2 avx512f avx512cd avx512bw avx512dq avx512vl", None, True),
+        ("SkylakeX", "avx2 avx512f avx512cd avx512bw avx512dq avx512vl", None, False),
+        ("Haswell", "avx2 fma", None, False),  # no AVX-512: Haswell is the best it has
+        ("Haswell", "avx2 avx512f avx512cd avx512bw avx512dq avx512vl", "Haswell", True),
+    ],
+)
+def test_parallel_info_notes_openblas_kernels_without_avx512_on_an_avx512_cpu(
+    monkeypatch, architecture, flags, coretype, noted
+):
+    from aiopar import _info
+
+    if coretype is None:
+        monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    else:
+        monkeypatch.setenv("OPENBLAS_CORETYPE", coretype)
+    library = {"internal_api": "openblas", "architecture": architecture}
+    notes = _info._older_kernels([library], frozenset(flags.split()))
+    assert bool(notes) is noted
+    if noted and coretype is None:
+        assert "OPENBLAS_CORETYPE=SkylakeX, set before numpy is imported" in notes[0]
+    elif noted:
+        assert f"OPENBLAS_CORETYPE={coretype} chose them; unset, OpenBLAS picks" in notes[0]
+
+
+def test_cpu_flags_are_read_on_linux():
+    from aiopar import _info
+
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo")
+    with open("/proc/cpuinfo") as cpuinfo:
+        has_flags = any(line.startswith("flags") for line in cpuinfo)
+    assert bool(_info._cpu_flags()) is has_flags
+
+
 def test_parallel_info_warns_when_settings_oversubscribe():
     aiopar.set_num_interop_threads(cores() + 1)
     aiopar.set_num_threads(2)
