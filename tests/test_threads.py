@@ -383,6 +383,85 @@ def test_a_thread_outside_the_pools_stops_counting_when_the_task_it_ran_ends():
         backend.shutdown()
 
 
+BUDGET_STRESS = """
+    import collections, random, sys, threading, time
+    import numpy as np
+    import aiopar
+    from aiopar._budget import budget, cores
+    from threadpoolctl import threadpool_info
+
+    rng_seed = int(sys.argv[1])
+    pool = aiopar.get_backend("thread", max_workers=2)
+
+    def compute():
+        np.dot(np.ones(64), np.ones(64))
+
+    def nested(depth):
+        if depth == 0:
+            return compute()
+        return pool.fork(nested, depth - 1).wait()
+
+    shared = collections.deque()  # futures any thread may wait for
+
+    def program(seed):
+        rng = random.Random(seed)
+        for _ in range(300):
+            op = rng.randrange(9)
+            if op == 0:
+                pool.fork(compute).wait()
+            elif op == 1:
+                aiopar.wait_all([pool.fork(compute) for _ in range(rng.randrange(1, 20))])
+            elif op == 2:
+                fut = pool.fork(compute)
+                fut.cancel()
+                aiopar.collect_all([fut]).wait()
+            elif op == 3:
+                fut = pool.fork(time.sleep, 0.0005)
+                compute()
+                fut.wait()
+            elif op == 4:
+                pool.fork(nested, rng.randrange(1, 4)).wait()
+            elif op == 5:
+                pool.fork(compute).wait(timeout=5)  # never run by this thread
+            elif op == 6:
+                shared.extend(pool.fork(compute) for _ in range(rng.randrange(1, 5)))
+            elif op == 7:
+                try:
+                    shared.popleft().wait()  # maybe another thread's fork, run here
+                except IndexError:
+                    pass
+            else:
+                futs = [pool.fork(compute) for _ in range(rng.randrange(1, 5))]
+                for fut in reversed(futs):
+                    fut.wait()
+
+    threads = [
+        threading.Thread(target=program, args=(rng_seed * 10 + i,)) for i in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    program(rng_seed * 10 + 3)
+    for thread in threads:
+        thread.join()
+    aiopar.wait_all(shared)
+    deadline = time.monotonic() + 5
+    while budget.running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    print(budget.running, aiopar.get_num_threads() == cores(), set(blas) <= {cores()})
+"""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_budget_is_whole_again_after_random_forks_from_several_threads(seed):
+    # Forks, waits, cancels, nested forks and batches from four threads at
+    # once, most slot transitions taking no lock: once everything is done,
+    # nothing counts and every library has all the cores again.
+    done = run_python(BUDGET_STRESS, str(seed), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "True", "True"], done.stdout + done.stderr
+
+
 def test_a_callback_that_blocks_in_a_worker_after_its_task_leaves_the_budget_whole():
     # A done-callback runs in the worker that settled the future, after its
     # task has stopped counting: blocking there must not give back a share
