@@ -536,7 +536,7 @@ class Slot:
         """
         if forker is self:
             self.running_own -= 1
-            self._fork_finished()
+            self.fork_finished()
             return
         if forker is not None:
             forker.fork_finished()
@@ -584,9 +584,6 @@ class Slot:
 
     def fork_finished(self) -> None:
         """One of this thread's forks ended, or was cancelled before it started."""
-        self._fork_finished()
-
-    def _fork_finished(self) -> None:
         forks = self.forks
         forks.pop()
         if not forks:

@@ -163,8 +163,7 @@ def running_async_library() -> str | None:
 
 def on_event_loop() -> bool:
     """Whether an asyncio, uvloop or trio loop runs in this thread."""
-    # running_async_library() spelled out: every fork outside a pool asks.
-    return _get_running_loop() is not None or sniffio.thread_local.name is not None
+    return running_async_library() is not None
 
 
 def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]:
