@@ -303,6 +303,10 @@ class TaskGroup:
             self._cancel_pending()
         for fut in self._futures:
             fut._block(None)
+            # The thread that settled a failure runs this too, but only after
+            # it has woken this one, which would otherwise run the next
+            # unstarted task itself meanwhile.
+            self._on_done(fut)
         return self._finish(exc)
 
     async def __aenter__(self) -> TaskGroup:

@@ -260,6 +260,21 @@ def test_task_group_first_failure_cancels_unstarted_and_is_raised():
     assert all(f.cancelled() for f in later)
 
 
+def test_task_group_exit_runs_no_task_a_failure_cancels(monkeypatch):
+    # A future's waiters wake before its callbacks run: the group's waiting
+    # thread must not run the next unstarted task before the worker that
+    # settled the failure has cancelled it.
+    on_done = aiopar.TaskGroup._on_done
+
+    def late_on_done(self, fut):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        on_done(self, fut)
+
+    monkeypatch.setattr(aiopar.TaskGroup, "_on_done", late_on_done)
+    test_task_group_first_failure_cancels_unstarted_and_is_raised()
+
+
 def test_task_group_several_failures_make_an_exception_group():
     def fail(i):
         raise KeyError(i)
