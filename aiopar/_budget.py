@@ -28,10 +28,15 @@ is in this module:
 4. **Threads come back late.** The libraries get fewer threads as soon as
    more threads count, but more only once nothing counts, or when a thread
    blocks in ``wait``: at once if it computed for less than 0.1 s
-   (``_future._BLOCKED_LONG``), else once the wait has lasted that long. A
-   stream of short tasks does not flip BLAS at every task, and the short tail
-   of a fork leaves no spinning BLAS threads behind (OpenBLAS's spin for
-   about 0.1 s after a call).
+   (``_future._BLOCKED_LONG``), else once the wait has lasted that long.
+   And never sooner than ``COME_BACK_AFTER`` (0.1 s) after more than one
+   thread last counted, a timer giving them back then, unless the fewer
+   threads lasted less than ``WAITS_AT_ONCE`` (a fork that was waited for at
+   once) or a token was not needed after all. OpenBLAS's threads spin for
+   about 0.1 s after a call, so more threads for a short spell (a stream of
+   short tasks, the short tail of a fork, the moment between two rounds of
+   forks) would leave spinning threads beside the tasks that come next.
+   ``set_num_threads`` applies at once.
 5. **A limit set by someone else is theirs.** A process-wide library whose
    count is not the one the budget last gave it was set by someone else
    (the library's own API, or ``threadpoolctl.threadpool_limits`` in any
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import threading
@@ -154,6 +160,10 @@ def threads_from_env() -> tuple[int | None, str | None, list[str]]:
 #: while someone else holds a library (rule 5), how often the budget looks again
 HELD_RECHECK = 0.01
 
+#: rule 4: how long after more than one thread last counted the libraries get
+#: more threads again (about as long as OpenBLAS's threads spin after a call)
+COME_BACK_AFTER = 0.1
+
 
 class Budget:
     """The intra-op thread count and the libraries it is applied to."""
@@ -175,6 +185,12 @@ class Budget:
         self.applied: int | None = None
         self.attempted: int | None = None
         self.recheck_at = 0.0
+        # Rule 4: when more than one thread last counted, when the libraries
+        # last got fewer threads, and the timer that gives them more
+        # COME_BACK_AFTER seconds after the first.
+        self.crowded_at = -math.inf
+        self.lowered_at = -math.inf
+        self.come_back_timer: threading.Timer | None = None
         self.controller: Any = None  # threadpoolctl.ThreadpoolController, made lazily
         self.process_wide: list[Any] = []
         self.setters: list[Callable[[int], Any]] = []  # one per process-wide library
@@ -203,33 +219,48 @@ class Budget:
         shares = self.shares
         return shares[running] if running < len(shares) else 1
 
-    def follow(self) -> None:
-        """Give the libraries the count for what counts now (fewer or more threads)."""
+    def follow(self, *, now: bool = False) -> None:
+        """Give the libraries the count for what counts now: fewer threads at
+        once, more no sooner than rule 4 allows, or at once with ``now``."""
         # The lock is taken only when the libraries must change, or when a
-        # library someone else holds is due for another look (rule 5).
-        if self.explicit is None and self._share(len(self.tokens)) != self.applied:
-            if self.held and self.target() == self.attempted and time.monotonic() < self.recheck_at:
+        # library someone else holds is due for another look (rule 5); not
+        # while a timer is due to give them more (rule 4) and more is what
+        # they would get.
+        if self.explicit is None:
+            n = self._share(len(self.tokens))
+            applied = self.applied
+            if n == applied or (
+                not now and self.come_back_timer is not None and applied is not None and n > applied
+            ):
+                return
+            if self.held and n == self.attempted and time.monotonic() < self.recheck_at:
                 return
             with self.lock:
-                self._follow_budget()
+                self._follow_budget(now=now)
 
     def take(self) -> None:
         """One more counts: the libraries get fewer threads at once if the share drops."""
-        self.tokens.append(None)
+        tokens = self.tokens
+        tokens.append(None)
+        if len(tokens) > 1:
+            self.crowded_at = time.monotonic()
         self.follow()
 
     def give_back(self, *, now: bool = False) -> None:
-        """One fewer counts. The threads come back at once with ``now``, else
-        only once nothing counts (rule 4)."""
+        """One fewer counts. The threads come back at once with ``now`` (the
+        token was not needed after all), else only once nothing counts and
+        no sooner than rule 4 allows."""
         tokens = self.tokens
         tokens.pop()
         if now or not tokens:
-            self.follow()
+            self.follow(now=now)
 
     def add_running(self, delta: int) -> None:
         """``delta`` more (or fewer) count now; ``parallel_for`` counts its chunks so."""
         if delta > 0:
             self.tokens.extend([None] * delta)
+            if len(self.tokens) > 1:
+                self.crowded_at = time.monotonic()
             self.follow()
         else:
             for _ in range(-delta):
@@ -242,25 +273,58 @@ class Budget:
             self.explicit, self.explicit_from = n, source
             self._scan()
             if n is None:
-                # Rule 5: only open threadpoolctl blocks still hold.
+                # Rule 5: only open threadpoolctl blocks still hold. Rule 4
+                # waits for no earlier crowd: the budget's count applies now.
                 self.counts.clear()
                 self.held.clear()
+                self.crowded_at = -math.inf
                 n = self._follow_budget()
             else:
                 self._apply(n, override=True)
         self.apply_here()
 
     # Called with self.lock held.
-    def _follow_budget(self) -> int:
+    def _follow_budget(self, *, now: bool = False) -> int:
         # The count may change again while the libraries are being set:
         # repeat until they match it, so the last change always wins.
         while True:
             n = self.target()
             if n == self.applied or self.explicit is not None:
                 return n
+            last = self.attempted
+            if last is not None and n > last:
+                # Rule 4. Not for a share that lasted no time (a fork that
+                # was waited for at once), and not while someone else holds
+                # a library: rule 5 tells a holder by the count the budget
+                # gave it last.
+                at = time.monotonic()
+                wait = self.crowded_at + COME_BACK_AFTER - at
+                if wait > 0 and not (now or self.held or at - self.lowered_at < WAITS_AT_ONCE):
+                    self._come_back_later(wait)
+                    return last
+            elif last is not None and n < last:
+                self.lowered_at = time.monotonic()
             self._apply(n)
             if self.target() == n:
                 return n
+
+    # Called with self.lock held.
+    def _come_back_later(self, delay: float) -> None:
+        if self.come_back_timer is not None:
+            return  # it looks again when it fires, and waits longer if it must
+        timer = threading.Timer(delay, self._come_back)
+        timer.name, timer.daemon = "aiopar-budget", True
+        try:
+            timer.start()
+        except RuntimeError:  # no thread can start (interpreter exit): at once, then
+            self._apply(self.target())
+            return
+        self.come_back_timer = timer
+
+    def _come_back(self) -> None:
+        with self.lock:
+            self.come_back_timer = None
+            self._follow_budget()
 
     # Called with self.lock held.
     def _apply(self, n: int, *, override: bool = False) -> None:
@@ -660,7 +724,13 @@ def _after_fork_in_child() -> None:
     global _local
     budget.lock = threading.Lock()
     budget.tokens = deque()
+    budget.crowded_at = budget.lowered_at = -math.inf
+    budget.come_back_timer = None  # its thread is not in the child
     _local = threading.local()
+    if budget.attempted is not None:
+        # The libraries may have the count of tasks that run on in the
+        # parent only: the child has every thread at once.
+        budget.follow()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

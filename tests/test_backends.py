@@ -132,7 +132,8 @@ def test_shutdown_wait_runs_what_was_queued_and_stops_threads():
     backend.shutdown(wait=True)
     assert all(f.done() and not f.cancelled() for f in futs)
     assert sorted(results) == list(range(20))
-    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("aiopar-")]
+    names = backend._thread_names + "-"
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith(names)]
     with pytest.raises(RuntimeError, match="shut down"):
         backend.fork(len, [])
     backend.shutdown()  # a second shutdown does nothing

@@ -8,11 +8,12 @@ import time
 
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
-from budget_helpers import once_alone
+from budget_helpers import once_alone, settle
 from helpers import python, run_python
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
+from aiopar import _budget
 from aiopar._budget import budget, cores
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
@@ -25,14 +26,6 @@ def blas_threads() -> list[int]:
 
 def seen() -> tuple[int, list[int]]:
     return aiopar.get_num_threads(), blas_threads()
-
-
-def settle(timeout: float = 5.0) -> None:
-    """Wait until no task counts against the budget (workers finish after futures settle)."""
-    deadline = time.monotonic() + timeout
-    while budget.running and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert budget.running == 0
 
 
 def run_together(k: int, fn):
@@ -305,8 +298,99 @@ def test_tasks_that_end_beside_a_running_one_do_not_flip_blas(monkeypatch):
             budget.give_back()
     finally:
         budget.give_back()
+    settle()  # the threads come back up to 0.1 s late (rule 4)
     assert changes == ([max(1, cores() // 2), cores()] if cores() > 1 else [])
     assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@pytest.fixture
+def come_back_after_a_second(monkeypatch):
+    """Rule 4's wait made a second long, so that "in quick succession" holds
+    on a loaded machine; whatever the timer has yet to do is done after."""
+    monkeypatch.setattr(_budget, "COME_BACK_AFTER", 1.0)
+    yield
+    with budget.lock:
+        if budget.come_back_timer is not None:
+            budget.come_back_timer.cancel()
+            budget.come_back_timer = None
+        budget._follow_budget(now=True)
+
+
+def share_for_a_moment(k: int = 2, seconds: float = 0.01) -> None:
+    """``k`` threads count for ``seconds``, as ``k`` tasks side by side do."""
+    for _ in range(k):
+        budget.take()
+    time.sleep(seconds)
+    for _ in range(k):
+        budget.give_back()
+
+
+@pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
+@pytest.mark.usefixtures("come_back_after_a_second")
+def test_rounds_of_tasks_in_quick_succession_keep_blas_shared_in_between(monkeypatch):
+    # OpenBLAS's threads spin for about 0.1 s after a call: threads given
+    # back between two rounds would spin beside the next one (rule 4).
+    changes = count_blas_changes(monkeypatch)
+    share = max(1, cores() // 2)
+    for _ in range(5):
+        share_for_a_moment()
+    assert changes == [share]
+    assert blas_threads() == [share] * len(blas_threads())
+    settle()  # the timer gives every core back, with no further call into aiopar
+    assert changes == [share, cores()]
+    for timer in [t for t in threading.enumerate() if t.name == "aiopar-budget"]:
+        timer.join(timeout=5)  # it ends once it has given them back
+        assert not timer.is_alive()
+
+
+@pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
+@pytest.mark.usefixtures("come_back_after_a_second")
+def test_a_share_that_lasted_no_time_is_given_back_at_once(monkeypatch):
+    # As when a thread forks and waits at once: the fork's worker and its
+    # forker count together for microseconds.
+    monkeypatch.setattr(_budget, "WAITS_AT_ONCE", 10.0)
+    share_for_a_moment(seconds=0)
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
+@pytest.mark.usefixtures("come_back_after_a_second")
+def test_set_num_threads_none_gives_the_budget_count_at_once():
+    share_for_a_moment()
+    assert blas_threads() == [max(1, cores() // 2)] * len(blas_threads())
+    aiopar.set_num_threads(None)
+    assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
+def test_a_child_forked_while_threads_come_back_late_has_every_core_at_once():
+    code = """
+        import os, threading, time
+        import numpy
+        import aiopar
+        from aiopar import _budget
+        from threadpoolctl import threadpool_info
+
+        def blas():
+            return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+        _budget.COME_BACK_AFTER = 60.0
+        both = threading.Barrier(2)
+        aiopar.wait_all([aiopar.fork(lambda: (both.wait(), time.sleep(0.01))) for _ in range(2)])
+        while _budget.budget.running:
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:
+            print("child", blas(), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent", blas(), flush=True)
+    """
+    done = run_python(code, timeout=60)
+    assert done.returncode == 0, done.stderr
+    share, all_cores = max(1, cores() // 2), cores()
+    n = len(blas_threads())
+    assert done.stdout.splitlines() == [f"child {[all_cores] * n}", f"parent {[share] * n}"]
 
 
 def count_blas_changes(monkeypatch) -> list[int]:
@@ -445,7 +529,9 @@ BUDGET_STRESS = """
         thread.join()
     aiopar.wait_all(shared)
     deadline = time.monotonic() + 5
-    while budget.running and time.monotonic() < deadline:
+    while (budget.running or budget.applied not in (None, budget.target())) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.001)
     blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
     print(budget.running, aiopar.get_num_threads() == cores(), set(blas) <= {cores()})
