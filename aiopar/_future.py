@@ -178,15 +178,23 @@ class Future(Generic[T], concurrent.futures.Future):
 
     def _claim(self) -> bool:
         """PENDING -> RUNNING; False if the task was cancelled or claimed already."""
-        with self._lock:
+        # Not "with": once per task, a with statement costs as much again as
+        # the lock itself (about 50 ns on CPython 3.11).
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._state != PENDING:
                 return False
             self._state = RUNNING
             return True
+        finally:
+            lock.release()
 
     def _settle(self, result: Any, exception: BaseException | None) -> bool:
         """FINISHED with this outcome; False if the future was done already."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # see _claim
+        try:
             if self._state >= CANCELLED:
                 return False
             if exception is None:
@@ -200,6 +208,8 @@ class Future(Generic[T], concurrent.futures.Future):
             self._state = FINISHED
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
+        finally:
+            lock.release()
         if waiters or callbacks:
             _notify(self, waiters, callbacks)
         return True

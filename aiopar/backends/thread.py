@@ -133,7 +133,9 @@ class ThreadBackend(Backend):
         # A worker counts already, and an event loop's thread awaits its
         # forks rather than computing beside them: neither counts for a fork.
         forker = None if slot.is_worker or on_event_loop() else slot
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not "with": it would cost as much as the lock, once per fork
+        try:
             if self._closed:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
             # Workers take queued tasks without the lock, so everything about
@@ -145,6 +147,8 @@ class ThreadBackend(Backend):
                 forker.forked(woken=reserved)
             task.forker, task.reserved = forker, reserved  # type: ignore[attr-defined]
             self._tasks.append(task)
+        finally:
+            lock.release()
 
     def _wake_worker(self) -> bool:
         """Wake an idle worker, or start one if the pool is below its limit;
