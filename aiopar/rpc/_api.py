@@ -28,7 +28,11 @@ _init_lock = threading.Lock()
 
 
 def is_available() -> bool:
-    """Whether an rpc engine (such as the aiopar-dask distribution) is installed."""
+    """Whether an rpc engine (such as the aiopar-dask distribution) is installed.
+
+    True does not mean that :func:`init_rpc` was called; this starts nothing
+    and never raises.
+    """
     return bool(_agent.entry_points(group=ENTRY_POINT_GROUP))
 
 
@@ -40,20 +44,39 @@ def init_rpc(
     *,
     backend: str | None = None,
 ) -> None:
-    """Make this process the peer called ``name``.
+    """Make this process the peer called ``name``; return once it can call and be called.
 
     Without a scheduler address (``rpc_backend_options.init_method``), an
     embedded cluster on this machine is started, listening on loopback
-    only, with ``world_size - 1`` more peers named as torch names them
-    (``worker<rank>``, this process having ``rank``, 0 by default). With an
-    address, this process joins that cluster as a peer any other peer can
-    call, and when ``world_size`` is given, returns once that many peers
-    have joined (as every process of a torch job calls ``init_rpc``).
-    ``backend`` picks the engine when several are installed.
+    only: this process is the peer of rank ``rank`` (0 by default), and the
+    other ranks below ``world_size`` (None counts as 1) are started as
+    processes of this machine, named as torch names them
+    (``worker<rank>``). A peer of that cluster that dies is started again,
+    with an empty state. With an address, this process joins that cluster
+    as a peer any other peer can call, with rank ``rank`` or, without one,
+    the smallest free one; when ``world_size`` is given, ``init_rpc``
+    returns once that many peers have joined (as every process of a torch
+    job calls it). ``rank=-1`` is torch's "not set", the same as None.
+    ``backend`` names the engine when several are installed (by default
+    ``"dask"``, or the only one).
 
-    Raises RuntimeError if this process is a peer already, or no engine is
-    installed (it says which distribution to install), and ValueError for a
-    name or rank that is taken.
+    Calls from several threads are serialised: one of them makes this
+    process a peer, the others raise RuntimeError.
+
+    It raises:
+
+    - RuntimeError if this process is a peer already (call :func:`shutdown`
+      first), or no engine is installed (the message says which
+      distribution to install);
+    - ValueError for a name or rank that another peer has, a name the
+      embedded cluster gives one of its own peers, ``rank >= world_size``,
+      a rank or world size that is not a whole number (ranks from 0, world
+      sizes from 1), or an engine ``backend`` that is not installed;
+    - TypeError for an empty or non-string ``name``, or options that are
+      not :class:`RpcBackendOptions`;
+    - TimeoutError if, joining a scheduler, fewer than ``world_size`` peers
+      have joined after the options' ``rpc_timeout`` seconds (never, if it
+      is 0).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name is this peer's name, a non-empty string, got {name!r}")
@@ -80,14 +103,21 @@ def init_rpc(
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
-    """Leave the group of peers.
+    """Leave the group of peers; return once this peer has stopped.
 
-    With ``graceful`` (torch's default), wait for this peer's outstanding
-    calls to finish and for every other peer that joined to call
-    ``shutdown`` too (at most ``timeout`` seconds, 0: no limit), so nobody
-    leaves while a call may still reach it. Then stop this peer and the
-    cluster that ``init_rpc`` started, if it did. Values this peer owned
-    through RRefs are dropped.
+    With ``graceful`` (torch's default), first wait until the calls this
+    peer made have their replies, and until every other peer whose process
+    called :func:`init_rpc` has called ``shutdown`` too, so nobody leaves
+    while a call may still reach it. ``timeout`` bounds that wait, in
+    seconds (0: no limit); once it passes, this peer leaves anyway, without
+    raising. Then this peer stops serving calls, and the calls it made that
+    still have no reply fail with RuntimeError; the embedded cluster that
+    :func:`init_rpc` started, if it did, stops with its peers. Values this
+    peer owned through RRefs are dropped.
+
+    Afterwards this process is no longer a peer, even if stopping raised,
+    and :func:`init_rpc` may be called again. Raises RuntimeError if this
+    process is not a peer.
     """
     agent = _agent.current_agent()
     try:
@@ -100,7 +130,11 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     """The :class:`WorkerInfo` of the peer called ``worker_name``, or of this peer.
 
-    Raises ValueError naming the peers if there is none by that name.
+    ``worker_name`` may also be a peer's id (its rank). A peer that joined
+    since this process last looked is found too (aiopar-dask asks the
+    scheduler again before it gives up). Raises ValueError listing the peers
+    if there is none by that name or id, TypeError for a ``worker_name``
+    that is neither, and RuntimeError if this process is not a peer.
     """
     agent = _agent.current_agent()
     if worker_name is None:
@@ -115,15 +149,35 @@ def rpc_async(
     kwargs: Mapping[str, Any] | None = None,
     timeout: float = -1,
 ) -> Future[T]:
-    """Run ``func(*args, **kwargs)`` on peer ``to``; return its future at once.
+    """Run ``func(*args, **kwargs)`` on peer ``to``; return its future without waiting for it.
 
-    ``to`` is a peer's name, id or :class:`WorkerInfo`. The future works as
-    every :class:`aiopar.Future` does (``wait``, ``await``, ``then``) and
-    gets the value, or the callee's exception with its type and remote
-    traceback, or TimeoutError once ``timeout`` seconds pass (-1: the
-    default of ``init_rpc``, 60 s unless set; 0 or None: no limit), or an
-    error naming the peer soon after it dies. Raises at once for an unknown
-    peer (ValueError listing the peers) and for arguments that do not pickle.
+    ``to`` is a peer's name, id or :class:`WorkerInfo` (looked up by its
+    name); ``args`` a tuple or list, ``kwargs`` a mapping. The future works
+    as every :class:`aiopar.Future` does (``wait``, ``await``, ``then``,
+    :func:`aiopar.as_completed`) and settles exactly once, with:
+
+    - the value ``func`` returned (for an ``@async_execution`` function,
+      the outcome of the future it returned; a coroutine function's
+      coroutine is awaited on the callee);
+    - or the exception ``func`` raised, with its type and the callee's
+      traceback;
+    - or TimeoutError once ``timeout`` seconds pass without a reply (-1:
+      the ``rpc_timeout`` of :func:`init_rpc`'s options, 60 s unless set;
+      0 or None: no limit);
+    - or an error naming the peer soon after it dies or cannot be reached
+      (:class:`aiopar.BrokenWorkerError` with aiopar-dask), or RuntimeError
+      if this peer shuts down before the reply comes.
+
+    Cancelling the future only stops waiting for it: the call still runs
+    on the callee, and its reply is dropped. Safe to call from any thread.
+
+    It raises at once, before the call is sent:
+
+    - RuntimeError if this process is not a peer;
+    - ValueError listing the peers for an unknown ``to``, and for a
+      ``timeout`` that is not -1, None or a number of seconds >= 0;
+    - TypeError for a ``func`` that is not callable, ``args`` or ``kwargs``
+      of another type, and arguments that do not pickle.
     """
     agent = _agent.current_agent()
     if not callable(func):
@@ -146,9 +200,16 @@ def rpc_sync(
     kwargs: Mapping[str, Any] | None = None,
     timeout: float = -1,
 ) -> T:
-    """Run ``func(*args, **kwargs)`` on peer ``to`` and return its value.
+    """Run ``func(*args, **kwargs)`` on peer ``to``, wait, and return its value.
 
-    ``rpc_async(...).wait()``: the same arguments and failures, raised here.
+    ``rpc_async(to, func, args, kwargs, timeout).wait()``: the same
+    arguments; what would fail the future of :func:`rpc_async` (the
+    callee's exception, TimeoutError, a dead peer) is raised here, and so
+    is what :func:`rpc_async` raises at once. Called inside a callee, a
+    wait longer than 0.1 s leaves the callee's thread pool (aiopar-dask),
+    so one-thread peers that call each other do not deadlock. In async
+    code, ``await rpc_async(...)`` instead: this blocks the event loop's
+    thread.
     """
     return rpc_async(to, func, args, kwargs, timeout).wait()
 
@@ -162,10 +223,18 @@ def remote(
 ) -> RRef[T]:
     """Run ``func(*args, **kwargs)`` on peer ``to`` and keep the value there.
 
-    Returns an :class:`RRef` owned by ``to`` at once, before the value
-    exists; ``to_here()`` waits for it, and raises what ``func`` raised.
-    ``func`` may be a class: ``remote("worker1", Counter)`` makes a Counter
-    that lives on worker1. ``timeout`` bounds the creation call.
+    Returns an :class:`RRef` owned by ``to`` without waiting, before the
+    value exists; :meth:`RRef.to_here` waits for the value and raises what
+    ``func`` raised, and the proxies of :meth:`RRef.rpc_sync` and the like
+    run their methods on the value once it exists. ``func`` may be a class:
+    ``remote("worker1", Counter)`` makes a Counter that lives on worker1.
+    An ``@async_execution`` function's future, and a coroutine function's
+    coroutine, are waited for on ``to``: their outcome is the value.
+
+    ``timeout`` (as in :func:`rpc_async`) bounds the call that creates the
+    value, not the uses of the RRef; if it fails, the value may still
+    appear, but :meth:`RRef.confirmed_by_owner` stays False. The arguments
+    and what is raised at once are those of :func:`rpc_async`.
     """
     agent = _agent.current_agent()
     if not callable(func):

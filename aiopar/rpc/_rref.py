@@ -132,10 +132,19 @@ def forget_owned() -> None:
 class RRef(Generic[T]):
     """A reference to a value on its owner peer.
 
-    ``RRef(value)`` makes the current peer the owner of ``value``;
-    :func:`aiopar.rpc.remote` makes one on another peer. An RRef can be
-    passed in the arguments and results of rpc calls: every copy refers to
-    the same value.
+    ``RRef(value)`` makes this peer the owner of ``value`` (RuntimeError if
+    this process is not a peer); :func:`aiopar.rpc.remote` makes one on
+    another peer. An RRef can be passed in the arguments and results of rpc
+    calls: every copy refers to the same value, and on the owner,
+    :meth:`local_value` is that value itself. Its methods may be called
+    from any thread.
+
+    How long the value lives: the owner drops it once the RRef that
+    :func:`~aiopar.rpc.remote` returned is garbage-collected on its creator
+    (the owner hears of it with the creator's next ``rpc_sync``,
+    ``rpc_async`` or ``remote``), unless that RRef was pickled, as it is
+    when sent in a call or a result. A value whose RRef was pickled, and
+    one made with ``RRef(value)``, stays until its owner shuts down.
     """
 
     __slots__ = ("__weakref__", "_created", "_id", "_owner", "_shared")
@@ -171,7 +180,7 @@ class RRef(Generic[T]):
     # -- where it lives -------------------------------------------------------------
 
     def owner(self) -> WorkerInfo:
-        """The peer that holds the value."""
+        """The :class:`WorkerInfo` of the peer that holds the value."""
         return self._owner
 
     def owner_name(self) -> str:
@@ -179,21 +188,31 @@ class RRef(Generic[T]):
         return self._owner.name
 
     def is_owner(self) -> bool:
-        """Whether this peer holds the value."""
+        """Whether this peer holds the value (RuntimeError if this process is not a peer)."""
         return _agent.current_agent().worker_info.name == self._owner.name
 
     def confirmed_by_owner(self) -> bool:
-        """Whether the owner is known to have the value's entry (its creation call returned)."""
+        """Whether the owner is known to have this RRef's value, or to be making it.
+
+        True for an RRef made with ``RRef(value)`` and for a copy received
+        from another peer. For the RRef that :func:`~aiopar.rpc.remote`
+        returned: False until the call that creates the value on the owner
+        has returned, then True, unless that call failed (timed out, or the
+        owner died). An exception raised by the function that makes the
+        value does not count: it is kept for :meth:`to_here`. Never blocks.
+        """
         created = self._created
         return created is None or (created.done() and created.exception() is None)
 
     # -- the value -----------------------------------------------------------------
 
     def local_value(self) -> T:
-        """The value itself, on the owner (waiting until it exists).
+        """The value itself, on the owner, waiting as long as it takes to exist.
 
-        Raises RuntimeError on any other peer (use :meth:`to_here`), and the
-        exception that creating the value raised, if it did.
+        Raises RuntimeError on any other peer (use :meth:`to_here` there),
+        the exception that the function making the value raised, if it
+        did, and the error of the call that was to create it, if that call
+        failed.
         """
         if not self.is_owner():
             raise RuntimeError(
@@ -206,9 +225,14 @@ class RRef(Generic[T]):
     def to_here(self, timeout: float = -1) -> T:
         """A copy of the value, fetched from the owner (the value itself on the owner).
 
-        Blocks until the value exists; raises what creating it raised,
-        TimeoutError after ``timeout`` seconds (-1: the default of
-        ``init_rpc``, 0 or None: no limit).
+        Blocks until the value exists, for at most ``timeout`` seconds (-1:
+        the ``rpc_timeout`` of :func:`~aiopar.rpc.init_rpc`'s options; 0 or
+        None: no limit), then raises TimeoutError. A value whose creation
+        call never reached the owner never exists: that too ends in
+        TimeoutError, or waits forever with no limit. Raises the exception
+        that the function making the value raised, if it did, an error
+        naming the owner if it dies meanwhile, ValueError for a bad
+        ``timeout``, and RuntimeError if this process is not a peer.
         """
         agent = _agent.current_agent()
         seconds = _agent.check_timeout(timeout, agent.default_timeout)
@@ -225,16 +249,35 @@ class RRef(Generic[T]):
     # -- calling its methods on the owner ---------------------------------------------
 
     def rpc_sync(self, timeout: float = -1) -> Any:
-        """A proxy: ``rref.rpc_sync().method(*args)`` runs ``value.method(*args)``
-        on the owner and returns its result."""
+        """A proxy: ``rref.rpc_sync().method(*args, **kwargs)`` runs
+        ``value.method(*args, **kwargs)`` on the owner and returns its result.
+
+        Each method call is a :func:`~aiopar.rpc.rpc_sync` to the owner with
+        this ``timeout``: it waits for the value to exist, raises what the
+        method raised (AttributeError if the value has no such method, the
+        error that creating the value raised, if it did), and honours
+        ``@async_execution`` methods and coroutine methods as
+        :func:`~aiopar.rpc.rpc_sync` does functions. Any attribute name
+        makes a method; a wrong one fails only when it is called.
+        """
         return _Proxy(self, "rpc_sync", timeout)
 
     def rpc_async(self, timeout: float = -1) -> Any:
-        """A proxy whose method calls return an :class:`aiopar.Future` of the result."""
+        """A proxy whose method calls are :func:`~aiopar.rpc.rpc_async` calls to the owner.
+
+        ``rref.rpc_async().method(*args, **kwargs)`` returns an
+        :class:`aiopar.Future` of ``value.method(*args, **kwargs)`` at once;
+        the future settles as :meth:`rpc_sync`'s call would return or raise.
+        """
         return _Proxy(self, "rpc_async", timeout)
 
     def remote(self, timeout: float = -1) -> Any:
-        """A proxy whose method calls return an RRef of the result, owned by this RRef's owner."""
+        """A proxy whose method calls are :func:`~aiopar.rpc.remote` calls to the owner.
+
+        ``rref.remote().method(*args, **kwargs)`` returns at once an RRef,
+        owned by this RRef's owner, of ``value.method(*args, **kwargs)``;
+        its :meth:`to_here` raises what the method raised.
+        """
         return _Proxy(self, "remote", timeout)
 
 

@@ -45,13 +45,23 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "aiopar.rpc_agents"
+"""The entry-point group under which a plugin registers its :class:`RpcEngine`."""
 
-#: torch.distributed.rpc's default: a call that has no reply after 60 s fails
 DEFAULT_RPC_TIMEOUT = 60.0
+"""Seconds a call may wait for its reply unless told otherwise: torch.distributed.rpc's default.
+
+The default of :attr:`RpcBackendOptions.rpc_timeout`; a call with no reply
+by then fails with TimeoutError.
+"""
 
 
 class WorkerInfo(NamedTuple):
-    """A peer: its unique ``name`` and its ``id`` (the rank), as in torch."""
+    """A peer: its unique ``name`` and its ``id`` (the rank), as in torch.
+
+    A named tuple: immutable, hashable, comparable and picklable. Wherever
+    a call takes a peer (``to=``), a WorkerInfo stands for the peer of its
+    ``name``.
+    """
 
     name: str
     id: int
@@ -63,15 +73,22 @@ class WorkerInfo(NamedTuple):
 @dataclass(frozen=True, kw_only=True)
 class RpcBackendOptions:
     """How ``init_rpc`` joins or starts the peers (torch's options, plus what
-    an engine needs).
+    an engine needs). Keyword-only and frozen.
 
-    ``rpc_timeout`` is the default timeout of every call, in seconds (0: no
-    limit). ``init_method`` is the address of the scheduler to join (such as
-    ``"tcp://10.0.0.5:8786"``); None starts an embedded cluster on this
-    machine, listening on loopback only. ``num_worker_threads`` is how many
-    calls each peer this process starts runs at once (calls blocked in
-    ``wait`` and ``async_execution`` futures do not count). ``security`` is
-    passed to the engine (for dask, a ``distributed.Security`` with TLS).
+    ``rpc_timeout`` is the default timeout of every call from this process,
+    in seconds (0: no limit), and also how long ``init_rpc`` waits for
+    ``world_size`` peers to join a scheduler. ``init_method`` is the
+    address of the scheduler to join (such as ``"tcp://10.0.0.5:8786"``);
+    None starts an embedded cluster on this machine, listening on loopback
+    only. ``num_worker_threads`` is how many calls each peer this process
+    starts runs at once (this process's own and those of the embedded
+    cluster; calls blocked in ``wait`` and pending ``async_execution``
+    futures do not count). ``security`` is passed to the engine (for dask,
+    a ``distributed.Security``: TLS for the cluster and the calls).
+
+    Raises ValueError for an ``rpc_timeout`` that is not a number >= 0 or a
+    ``num_worker_threads`` that is not a whole number >= 1, and TypeError
+    for an ``init_method`` that is not a string or None.
     """
 
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
@@ -93,8 +110,8 @@ class RpcBackendOptions:
         check_count(self.num_worker_threads, "num_worker_threads")
 
 
-#: torch's name for the options of its default backend
 TensorPipeRpcBackendOptions = RpcBackendOptions
+"""torch's name for the options of its default backend: :class:`RpcBackendOptions` itself."""
 
 
 class RpcAgent(ABC):
@@ -168,7 +185,7 @@ _current_lock = threading.Lock()
 
 
 def current_agent() -> RpcAgent:
-    """This process's agent; RuntimeError before ``init_rpc``."""
+    """This process's agent; RuntimeError if there is none (before ``init_rpc``)."""
     agent = _current
     if agent is None:
         raise RuntimeError(
@@ -189,12 +206,13 @@ def set_current_agent(agent: RpcAgent | None) -> RpcAgent | None:
 def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an incoming call in this thread and return what the agent replies with.
 
-    A :class:`aiopar.Future` (what an ``@async_execution`` function returns,
-    and what a coroutine function's coroutine is wrapped in) is not a value
-    to send: the agent replies with its outcome once it is done, from its
-    done-callback, holding no thread meanwhile. Raises what
-    ``fn`` raises, and TypeError if an ``@async_execution`` function returns
-    something else than a Future.
+    A coroutine that ``fn`` returns is wrapped in an :class:`aiopar.Future`,
+    to be awaited on aiopar's loop thread. A Future (what an
+    ``@async_execution`` function returns, or any ``fn`` may) is not a
+    value to send: the agent replies with its outcome once it is done, from
+    its done-callback, holding no thread meanwhile. Raises what ``fn``
+    raises, and TypeError if an ``@async_execution`` function returns
+    something else than a Future or a coroutine.
     """
     result = fn(*args, **kwargs)
     if inspect.iscoroutine(result):
@@ -234,7 +252,12 @@ def check_timeout(timeout: object, default: float) -> float:
 
 
 def find_engine(backend: str | None = None) -> RpcEngine:
-    """The engine registered as ``backend`` (dask, or the only one, if None)."""
+    """The engine registered as ``backend`` (None: ``"dask"``, or the only one).
+
+    Raises RuntimeError, naming the distribution to install, if no engine
+    is installed, and ValueError, naming the installed ones, if none is
+    called ``backend``.
+    """
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if not found:
         raise RuntimeError(
