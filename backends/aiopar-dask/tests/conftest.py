@@ -1,4 +1,4 @@
-"""Shared fixtures: small loopback clusters, distributed's logs at ERROR."""
+"""Shared fixtures: a loopback scheduler to join, distributed's logs at ERROR."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ import os
 os.environ["DASK_LOGGING__DISTRIBUTED"] = "error"
 
 import dask
+import pytest
+from dask_helpers import loopback_cluster
 
 dask.config.set({"logging.distributed": "error"})
 logging.getLogger("distributed").setLevel(logging.ERROR)
+
+
+@pytest.fixture
+def scheduler():
+    """The address of a scheduler alone, on loopback, for peers to join."""
+    with loopback_cluster(n_workers=0) as cluster:
+        yield cluster.scheduler_address

@@ -1,11 +1,75 @@
-"""Helpers for the plugin's tests: processes, sockets and threads left behind."""
+"""Helpers for the plugin's tests: loopback clusters, child interpreters,
+waiting, what a test leaves behind, and functions that peers run.
+
+The functions that workers and peers run travel by name, so the worker
+processes import them from here.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
+from collections.abc import Callable
 
+import distributed
 import pytest
+
+import aiopar
+from aiopar import rpc
+
+LOOPBACK = "127.0.0.1"
+
+# -- clusters and child interpreters -----------------------------------------------
+
+
+def loopback_cluster(n_workers: int) -> distributed.LocalCluster:
+    """A cluster in this process with ``n_workers`` one-thread workers, whose
+    scheduler listens on tcp://127.0.0.1 for clients and peers to join."""
+    return distributed.LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=False,
+        host=LOOPBACK,
+        protocol="tcp://",
+        dashboard_address=f"{LOOPBACK}:0",
+    )
+
+
+def _command(script: str, args: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(script), *args]
+
+
+def run_python(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (dedented) with ``args`` in a fresh interpreter to its end,
+    its output captured as text; after ``timeout`` seconds it is killed and
+    TimeoutExpired fails the test."""
+    return subprocess.run(_command(script, args), capture_output=True, text=True, timeout=timeout)
+
+
+def start_python(script: str, *args: str) -> subprocess.Popen[str]:
+    """Start ``script`` (dedented) with ``args`` in a fresh interpreter, its
+    output piped as text; the caller waits for it, and kills it."""
+    return subprocess.Popen(
+        _command(script, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+# -- waiting, and what a test leaves behind -------------------------------------------
+
+
+def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
+    """Call ``condition`` every ``interval`` seconds until it is true (True)
+    or ``timeout`` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def child_pids() -> set[int]:
@@ -36,6 +100,24 @@ def _is_resource_tracker(pid: str) -> bool:
         return False
 
 
+def aiopar_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("aiopar-")}
+
+
+class Leftovers:
+    """The child processes and aiopar threads started since it was made."""
+
+    def __init__(self) -> None:
+        self._children = child_pids()
+        self._threads = aiopar_threads()
+
+    def processes(self) -> set[int]:
+        return child_pids() - self._children
+
+    def threads(self) -> set[threading.Thread]:
+        return aiopar_threads() - self._threads
+
+
 def listening_addresses(pids: set[int]) -> set[str]:
     """The IP addresses that these processes' listening TCP sockets are bound to."""
     psutil = pytest.importorskip("psutil")
@@ -47,5 +129,21 @@ def listening_addresses(pids: set[int]) -> set[str]:
     return hosts
 
 
-def aiopar_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("aiopar-")}
+# -- what workers and peers run -------------------------------------------------------
+
+
+def fail_deep():
+    """Raises ValueError from a nested frame, for tracebacks to show."""
+
+    def inner_helper():
+        raise ValueError("failed on purpose")
+
+    inner_helper()
+
+
+@rpc.functions.async_execution
+def after_timer(seconds: float, value):
+    """Replies ``value`` after ``seconds`` without holding the callee's thread."""
+    fut: aiopar.Future = aiopar.Future()
+    threading.Timer(seconds, fut.set_result, args=(value,)).start()
+    return fut

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 import traceback
 
@@ -16,7 +13,15 @@ import distributed
 import numpy as np
 import pytest
 from aiopar_dask import DaskBackend
-from dask_helpers import aiopar_threads, child_pids, listening_addresses
+from dask_helpers import (
+    Leftovers,
+    child_pids,
+    fail_deep,
+    listening_addresses,
+    loopback_cluster,
+    run_python,
+    wait_until,
+)
 
 import aiopar
 from aiopar.profiler import profile
@@ -57,13 +62,6 @@ def double(x):
 def sleep_then(seconds: float, value):
     time.sleep(seconds)
     return value
-
-
-def fail_deep():
-    def inner_helper():
-        raise ValueError("the task failed on purpose")
-
-    inner_helper()
 
 
 def countdown(n: int) -> int:
@@ -206,15 +204,13 @@ def test_embedded_cluster_listens_on_loopback_only(processes):
 
 
 def test_shutdown_leaves_no_process_or_thread_behind():
-    children, threads = child_pids(), aiopar_threads()
+    left = Leftovers()
     backend = DaskBackend(n_workers=1, threads_per_worker=1)
     assert backend.fork(double, 3).then(lambda f: f.value()).wait() == 6
     backend.shutdown()
-    deadline = time.monotonic() + 10
-    while child_pids() - children and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert child_pids() - children == set()
-    assert aiopar_threads() - threads == set()
+    wait_until(lambda: not left.processes(), timeout=10)  # reaping takes a moment
+    assert left.processes() == set()
+    assert left.threads() == set()  # joined by shutdown itself
 
 
 def test_shutdown_runs_or_cancels_what_is_pending():
@@ -233,9 +229,7 @@ def test_shutdown_runs_or_cancels_what_is_pending():
 
 def test_a_users_client_stays_open():
     with (
-        distributed.LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
-        ) as cluster,
+        loopback_cluster(n_workers=1) as cluster,
         distributed.Client(cluster, set_as_default=False) as client,
     ):
         backend = DaskBackend(client=client)
@@ -246,14 +240,7 @@ def test_a_users_client_stays_open():
 
 
 def test_a_scheduler_address():
-    with distributed.LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=False,
-        host="127.0.0.1",
-        protocol="tcp://",
-        dashboard_address="127.0.0.1:0",
-    ) as cluster:
+    with loopback_cluster(n_workers=1) as cluster:
         with aiopar.use_backend("dask", address=cluster.scheduler_address) as backend:
             assert aiopar.fork(double, 8).wait() == 16
             assert backend.max_workers == 1
@@ -272,9 +259,8 @@ def test_a_worker_that_keeps_dying_raises_broken_worker_error():
 
 
 def test_interpreter_exit_runs_pending_work(tmp_path):
-    script = textwrap.dedent(
-        f"""
-        import time, aiopar
+    script = """
+        import sys, time, aiopar
 
         def touch(path):
             time.sleep(0.3)
@@ -282,12 +268,9 @@ def test_interpreter_exit_runs_pending_work(tmp_path):
 
         if __name__ == "__main__":
             with aiopar.use_backend("dask", n_workers=1, threads_per_worker=1, processes=False):
-                aiopar.fork(touch, {str(tmp_path / "ran")!r})
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
-    )
+                aiopar.fork(touch, sys.argv[1])
+    """
+    done = run_python(script, str(tmp_path / "ran"), timeout=60)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "ran").exists()
 

@@ -12,7 +12,7 @@ import distributed
 import numpy as np
 import pytest
 from aiopar_dask import DaskBackend
-from dask_helpers import child_pids, listening_addresses
+from dask_helpers import after_timer, child_pids, fail_deep, listening_addresses
 
 import aiopar
 from aiopar import rpc
@@ -36,13 +36,6 @@ def peers():
 
 def whoami() -> tuple[str, int]:
     return rpc.get_worker_info().name, os.getpid()
-
-
-def fail_deep():
-    def inner_helper():
-        raise ValueError("the callee failed on purpose")
-
-    inner_helper()
 
 
 @rpc.functions.async_execution
@@ -85,14 +78,6 @@ class Counter:
 
     def value(self) -> int:
         return self.n
-
-
-@rpc.functions.async_execution
-def after_timer(seconds: float, value):
-    """Replies after ``seconds`` without holding the callee's thread."""
-    fut: aiopar.Future = aiopar.Future()
-    threading.Timer(seconds, fut.set_result, args=(value,)).start()
-    return fut
 
 
 def nested_sync(to: str, depth: int) -> int:

@@ -6,14 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-import threading
 import time
 
 import distributed
 import numpy as np
 import pytest
-from dask_helpers import aiopar_threads, child_pids
+from dask_helpers import Leftovers, after_timer, run_python, start_python, wait_until
 
 import aiopar
 from aiopar import rpc
@@ -22,48 +20,17 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def scheduler():
-    """A scheduler alone, on loopback, for peers to join."""
-    with distributed.LocalCluster(
-        n_workers=0,
-        processes=False,
-        host="127.0.0.1",
-        protocol="tcp://",
-        dashboard_address="127.0.0.1:0",
-    ) as cluster:
-        yield cluster.scheduler_address
-
-
-@pytest.fixture
 def leaves_nothing_behind():
-    children, threads = child_pids(), aiopar_threads()
+    left = Leftovers()
     yield
-    deadline = time.monotonic() + 15
-    while (child_pids() - children or aiopar_threads() - threads) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert child_pids() - children == set()
-    assert aiopar_threads() - threads == set()
+    wait_until(lambda: not (left.processes() or left.threads()), timeout=15)
+    assert left.processes() == set()
+    assert left.threads() == set()
     assert rpc.agent._current is None
 
 
 def options(**kw) -> rpc.RpcBackendOptions:
     return rpc.RpcBackendOptions(num_worker_threads=2, **kw)
-
-
-@rpc.functions.async_execution
-def after_timer(seconds: float, value):
-    fut: aiopar.Future = aiopar.Future()
-    threading.Timer(seconds, fut.set_result, args=(value,)).start()
-    return fut
-
-
-def python(script: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(script), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def test_shutdown_stops_the_cluster_and_its_threads(leaves_nothing_behind):
@@ -124,7 +91,7 @@ def test_every_process_that_calls_init_rpc_is_a_peer(scheduler, leaves_nothing_b
         print(rpc.rpc_sync(other, np.add, args=(rank, 10)))
         rpc.shutdown()  # waits until every peer that joined calls it
     """
-    procs = [python(script, f"worker{rank}", str(rank), scheduler) for rank in (1, 2)]
+    procs = [start_python(script, f"worker{rank}", str(rank), scheduler) for rank in (1, 2)]
     try:
         rpc.init_rpc(
             "worker0",
@@ -165,10 +132,10 @@ def test_aiopar_worker_serves_until_interrupted(scheduler, leaves_nothing_behind
     ]
     try:
         rpc.init_rpc("main", rpc_backend_options=options(init_method=scheduler))
-        deadline = time.monotonic() + 60
-        while len(rpc.agent.current_agent().peers()) < 3:
-            assert time.monotonic() < deadline, "the aiopar worker peers did not join"
-            time.sleep(0.1)
+        joined = wait_until(
+            lambda: len(rpc.agent.current_agent().peers()) >= 3, timeout=60, interval=0.1
+        )
+        assert joined, "the aiopar worker peers did not join"
         infos = [rpc.get_worker_info(name) for name in ("main", "helper-a", "helper-b")]
         assert len({info.id for info in infos}) == 3  # ranks given out without clashes
         assert rpc.rpc_sync("helper-a", np.add, args=(1, 2)) == 3
@@ -197,8 +164,8 @@ def test_a_taken_name_is_refused(scheduler, leaves_nothing_behind):
             except ValueError as exc:
                 print(exc)
         """
-        out, err = python(script, scheduler).communicate(timeout=60)
-        assert "called 'main' is in the cluster already" in out, err
+        done = run_python(script, scheduler, timeout=60)
+        assert "called 'main' is in the cluster already" in done.stdout, done.stderr
     finally:
         rpc.shutdown()
 
@@ -211,8 +178,8 @@ def test_exit_without_shutdown_leaves_nothing_running(tmp_path):
         rpc.init_rpc("worker0", world_size=2)
         print(rpc.rpc_sync("worker1", np.add, args=(1, 2)))
     """
-    out, err = python(script).communicate(timeout=60)
-    assert out.strip() == "3", err
+    done = run_python(script, timeout=60)
+    assert done.stdout.strip() == "3", done.stderr
 
 
 def test_tls_through_dasks_security(leaves_nothing_behind):
