@@ -20,19 +20,23 @@ is in this module:
 3. **A forker counts from the fork.** A fork for which an idle worker is
    woken holds a token from the fork on, so its forker's next BLAS call
    already leaves the cores the fork will use, and the forker counts beside
-   it from then. A thread that waited within ``WAITS_AT_ONCE`` seconds of
-   its last fork, with no other fork out, is taken to fork and wait, not to
-   compute beside its forks: it counts for its forks only once it runs one
-   of them itself, or computes longer than that before a wait again. So
+   it from then. If its forker, or a thread that counts already, runs the
+   fork instead, the token comes back: at once, or, while other tasks are
+   queued, as the woken worker starts one of them and counts in its place
+   (the libraries keep the share in between). A thread that waited within
+   ``WAITS_AT_ONCE`` seconds of its last fork, with no other fork out, is
+   taken to fork and wait, not to compute beside its forks: it counts for
+   its forks only once it runs one of them itself, or computes longer than
+   that before a wait again. So
    ``fork(f).wait()`` changes no library setting, whichever thread runs ``f``.
 4. **Threads come back late.** The libraries get fewer threads as soon as
    more threads count, but more only once nothing counts, or when a thread
    blocks in ``wait``: at once if it computed for less than 0.1 s
    (``_future._BLOCKED_LONG``), else once the wait has lasted that long.
    And never sooner than ``COME_BACK_AFTER`` (0.1 s) after more than one
-   thread last counted, a timer giving them back then, unless the fewer
-   threads lasted less than ``WAITS_AT_ONCE`` (a fork that was waited for at
-   once) or a token was not needed after all. OpenBLAS's threads spin for
+   thread last counted, a timer giving them back then, unless what counted
+   was not needed after all: a forker that waited within ``WAITS_AT_ONCE``
+   of counting for its forks (rule 3), or a fork's token. OpenBLAS's threads spin for
    about 0.1 s after a call, so more threads for a short spell (a stream of
    short tasks, the short tail of a fork, the moment between two rounds of
    forks) would leave spinning threads beside the tasks that come next.
@@ -185,11 +189,9 @@ class Budget:
         self.applied: int | None = None
         self.attempted: int | None = None
         self.recheck_at = 0.0
-        # Rule 4: when more than one thread last counted, when the libraries
-        # last got fewer threads, and the timer that gives them more
-        # COME_BACK_AFTER seconds after the first.
+        # Rule 4: when more than one thread last counted, and the timer that
+        # gives the libraries more threads COME_BACK_AFTER seconds later.
         self.crowded_at = -math.inf
-        self.lowered_at = -math.inf
         self.come_back_timer: threading.Timer | None = None
         self.controller: Any = None  # threadpoolctl.ThreadpoolController, made lazily
         self.process_wide: list[Any] = []
@@ -292,18 +294,13 @@ class Budget:
             if n == self.applied or self.explicit is not None:
                 return n
             last = self.attempted
-            if last is not None and n > last:
-                # Rule 4. Not for a share that lasted no time (a fork that
-                # was waited for at once), and not while someone else holds
-                # a library: rule 5 tells a holder by the count the budget
-                # gave it last.
-                at = time.monotonic()
-                wait = self.crowded_at + COME_BACK_AFTER - at
-                if wait > 0 and not (now or self.held or at - self.lowered_at < WAITS_AT_ONCE):
+            # Rule 4, unless someone else holds a library: rule 5 tells a
+            # holder by the count the budget gave it last.
+            if not now and last is not None and n > last and not self.held:
+                wait = self.crowded_at + COME_BACK_AFTER - time.monotonic()
+                if wait > 0:
                     self._come_back_later(wait)
                     return last
-            elif last is not None and n < last:
-                self.lowered_at = time.monotonic()
             self._apply(n)
             if self.target() == n:
                 return n
@@ -324,7 +321,7 @@ class Budget:
     def _come_back(self) -> None:
         with self.lock:
             self.come_back_timer = None
-            self._follow_budget()
+        self.follow()  # which waits on, if something counted meanwhile
 
     # Called with self.lock held.
     def _apply(self, n: int, *, override: bool = False) -> None:
@@ -548,32 +545,33 @@ class Slot:
         self.counted = False
         self.counted_since = 0.0
 
-    def _recount(self, reserved: bool = False) -> None:
+    def _recount(self, reserved: bool = False, *, unused: bool = False) -> bool:
         # Called with self.lock held. ``reserved``: a token the task that
         # starts here took at its fork, which this thread takes over if it
-        # starts counting now and otherwise gives back.
+        # starts counting now; returns whether it did. ``unused``: if it
+        # stops counting, its share was never used (rule 4 does not wait).
         counts = (self.sharing or self.running > 0) and not self.is_blocked
         if counts != self.counted:
             self.counted = counts
             if counts:
                 self.counted_since = time.monotonic()
                 if reserved:
-                    return
+                    return True
                 budget.take()
             else:
-                budget.give_back()
-        if reserved:
-            budget.give_back(now=True)
+                budget.give_back(now=unused)
+        return False
 
     # -- a task runs in this slot's thread --
 
-    def task_started(self, reserved: bool, forker: Slot | None) -> None:
+    def task_started(self, reserved: bool, forker: Slot | None, *, queued: bool = False) -> None:
         """This thread starts a task (forked by ``forker``, a thread outside
-        the pools, or None); ``reserved`` if it holds a token from its fork."""
+        the pools, or None); ``reserved`` if it holds a token from its fork,
+        ``queued`` if other tasks wait in its pool's queue."""
         if forker is self:  # it waits for its own fork, and runs it
             self._waits()
             if reserved:
-                budget.give_back(now=True)
+                _reserved_not_needed(queued)
             self.running_own += 1
             if self.elsewhere and not self.sharing:  # it computes beside its other forks after all
                 with self.lock:
@@ -584,7 +582,9 @@ class Slot:
         # goes on counting.
         if reserved or not self.counted:
             with self.lock:
-                self._recount(reserved)
+                took_over = self._recount(reserved)
+            if reserved and not took_over:
+                _reserved_not_needed(queued)
         if forker is not None:
             forker.fork_taken()
         if budget.per_thread:
@@ -612,6 +612,11 @@ class Slot:
         """This thread, a pool's worker, found no task to run."""
         if self.counted and not self.running:
             self._stop_unless_running()
+        else:
+            # A worker woken for a fork that another thread ran, with others
+            # queued (which it found run too): it never counted, and the
+            # libraries follow what does.
+            budget.follow()
 
     def _stop_unless_running(self) -> None:
         with self.lock:
@@ -656,7 +661,12 @@ class Slot:
                     self.elsewhere = False
                     if self.sharing:
                         self.sharing = False
-                        self._recount()
+                        self._recount(unused=self._forked_and_waited())
+
+    def _forked_and_waited(self) -> bool:
+        """Whether it counts only for its forks (rule 3), and has for less than
+        WAITS_AT_ONCE: it forked and waited, and never used its share."""
+        return not self.running and time.monotonic() - self.counted_since < WAITS_AT_ONCE
 
     def _waits(self) -> None:
         """This thread waits for a future: rule 3 learns how it forks. Only
@@ -682,7 +692,7 @@ class Slot:
         with self.lock:
             counted, since = self.counted, self.counted_since
             self.is_blocked = True
-            self._recount()
+            self._recount(unused=self._forked_and_waited())
         if counted and time.monotonic() - since < _future._BLOCKED_LONG:
             budget.follow()  # it waits at once: its cores go to what it waits for
 
@@ -696,6 +706,13 @@ class Slot:
         with self.lock:
             self.is_blocked = False
             self._recount()
+
+
+def _reserved_not_needed(queued: bool) -> None:
+    """Give back the token of a fork whose woken worker did not run it (its
+    forker, or another thread that counts already, did). At once, unless
+    other tasks are queued: that worker takes one of them, and counts."""
+    budget.give_back(now=not queued)
 
 
 _local = threading.local()  # .slot: this thread's Slot
@@ -724,7 +741,7 @@ def _after_fork_in_child() -> None:
     global _local
     budget.lock = threading.Lock()
     budget.tokens = deque()
-    budget.crowded_at = budget.lowered_at = -math.inf
+    budget.crowded_at = -math.inf
     budget.come_back_timer = None  # its thread is not in the child
     _local = threading.local()
     if budget.attempted is not None:

@@ -303,6 +303,15 @@ def test_tasks_that_end_beside_a_running_one_do_not_flip_blas(monkeypatch):
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
+def run_in_new_thread(fn):
+    """``fn()`` in a thread of its own, which has no budget history yet."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(fn()))
+    thread.start()
+    thread.join(timeout=10)
+    return results[0]
+
+
 @pytest.fixture
 def come_back_after_a_second(monkeypatch):
     """Rule 4's wait made a second long, so that "in quick succession" holds
@@ -345,12 +354,35 @@ def test_rounds_of_tasks_in_quick_succession_keep_blas_shared_in_between(monkeyp
 
 @pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
 @pytest.mark.usefixtures("come_back_after_a_second")
-def test_a_share_that_lasted_no_time_is_given_back_at_once(monkeypatch):
-    # As when a thread forks and waits at once: the fork's worker and its
-    # forker count together for microseconds.
-    monkeypatch.setattr(_budget, "WAITS_AT_ONCE", 10.0)
-    share_for_a_moment(seconds=0)
-    assert seen() == (cores(), [cores()] * len(blas_threads()))
+def test_a_forker_that_waits_at_once_gives_its_share_back_at_once(monkeypatch):
+    # Its first fork counts it beside the fork (rule 3) for the moment until
+    # it waits: that share was never used, and the fork gets every core.
+    monkeypatch.setattr(_budget, "WAITS_AT_ONCE", 1.0)  # "at once", however loaded the machine
+    assert run_in_new_thread(lambda: aiopar.fork(once_alone(seen)).wait()) == (
+        cores(),
+        [cores()] * len(blas_threads()),
+    )
+
+
+@pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
+@pytest.mark.usefixtures("come_back_after_a_second")
+def test_a_worker_that_waits_keeps_the_libraries_shared_for_the_next_task(monkeypatch):
+    # A task that forks several and waits for the first: the worker it frees
+    # takes the next one at once, so its cores are not the waited-for fork's
+    # for the moment between (they would leave a spinning BLAS thread behind).
+    changes = count_blas_changes(monkeypatch)
+    share = max(1, cores() // 2)
+    both = threading.Barrier(2, timeout=10)
+
+    def forks_and_waits():
+        futs = [aiopar.fork(both.wait) for _ in range(2)]
+        return [fut.wait() for fut in futs]
+
+    _budget.this_thread().anticipates = False  # this thread only waits (rule 3)
+    aiopar.fork(forks_and_waits).wait(timeout=10)  # a timeout: a worker runs it
+    assert changes == [share]
+    settle()
+    assert changes == [share, cores()]
 
 
 @pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")

@@ -49,7 +49,8 @@ class _BudgetedTask(Task):
         forker, self.forker = self.forker, None
         reserved, self.reserved = self.reserved, False
         slot = _this_slot()
-        slot.task_started(reserved, forker)
+        # This task may still be in the queue, the one a waiter took out of turn.
+        slot.task_started(reserved, forker, queued=reserved and len(self.backend._tasks) > 1)  # type: ignore[attr-defined]
         try:
             outcome = self.call()
         finally:
