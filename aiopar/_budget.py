@@ -33,14 +33,15 @@ is in this module:
    more threads count, but more only once nothing counts, or when a thread
    blocks in ``wait``: at once if it computed for less than 0.1 s
    (``_future._BLOCKED_LONG``), else once the wait has lasted that long.
-   And never sooner than ``COME_BACK_AFTER`` (0.1 s) after more than one
-   thread last counted, a timer giving them back then, unless what counted
-   was not needed after all: a forker that waited within ``WAITS_AT_ONCE``
-   of counting for its forks (rule 3), or a fork's token. OpenBLAS's threads spin for
-   about 0.1 s after a call, so more threads for a short spell (a stream of
-   short tasks, the short tail of a fork, the moment between two rounds of
-   forks) would leave spinning threads beside the tasks that come next.
-   ``set_num_threads`` applies at once.
+   Even then, no sooner than ``COME_BACK_AFTER`` after more than one thread
+   last counted: a timer gives them back then. Only a share nothing used
+   comes back at once: a forker's that waited within ``WAITS_AT_ONCE`` of
+   counting for its forks, and a fork's token that no queued task will use
+   (rule 3). OpenBLAS's threads spin for about 0.1 s after a call, so more
+   threads for a short spell (a stream of short tasks, the short tail of a
+   fork, the moment between two rounds of forks) would leave spinning
+   threads beside the tasks that come next. ``set_num_threads`` applies at
+   once.
 5. **A limit set by someone else is theirs.** A process-wide library whose
    count is not the one the budget last gave it was set by someone else
    (the library's own API, or ``threadpoolctl.threadpool_limits`` in any
@@ -165,8 +166,8 @@ def threads_from_env() -> tuple[int | None, str | None, list[str]]:
 HELD_RECHECK = 0.01
 
 #: rule 4: how long after more than one thread last counted the libraries get
-#: more threads again (about as long as OpenBLAS's threads spin after a call)
-COME_BACK_AFTER = 0.1
+#: more threads again (as long as OpenBLAS's threads spin after a call)
+COME_BACK_AFTER = _future._BLOCKED_LONG
 
 
 class Budget:
@@ -235,10 +236,15 @@ class Budget:
                 not now and self.come_back_timer is not None and applied is not None and n > applied
             ):
                 return
-            if self.held and n == self.attempted and time.monotonic() < self.recheck_at:
+            if self._not_due(n):
                 return
             with self.lock:
                 self._follow_budget(now=now)
+
+    def _not_due(self, n: int) -> bool:
+        """Rule 5: whether a library someone else holds was looked at for
+        count ``n`` less than HELD_RECHECK seconds ago."""
+        return bool(self.held) and n == self.attempted and time.monotonic() < self.recheck_at
 
     def take(self) -> None:
         """One more counts: the libraries get fewer threads at once if the share drops."""
@@ -291,7 +297,7 @@ class Budget:
         # repeat until they match it, so the last change always wins.
         while True:
             n = self.target()
-            if n == self.applied or self.explicit is not None:
+            if n == self.applied or self.explicit is not None or self._not_due(n):
                 return n
             last = self.attempted
             # Rule 4, unless someone else holds a library: rule 5 tells a
@@ -613,9 +619,9 @@ class Slot:
         if self.counted and not self.running:
             self._stop_unless_running()
         else:
-            # A worker woken for a fork that another thread ran, with others
-            # queued (which it found run too): it never counted, and the
-            # libraries follow what does.
+            # It never counted: it was woken for a fork that another thread
+            # ran, and the others queued then had been run too (rule 3), so
+            # the share kept for it goes.
             budget.follow()
 
     def _stop_unless_running(self) -> None:
