@@ -255,7 +255,8 @@ class TaskGroup:
 
     The first task to fail cancels the group's tasks that have not started;
     on exit the failure is raised, or an ExceptionGroup when several tasks
-    (or the block and a task) failed. If the block itself raises, tasks not
+    (or the block and a task) failed (a BaseExceptionGroup if one of them
+    raised a BaseException such as SystemExit). If the block itself raises, tasks not
     yet started are cancelled and the running ones are waited for.
     """
 
@@ -331,9 +332,9 @@ class TaskGroup:
     def _finish(self, exc: BaseException | None) -> bool:
         self._exited = True
         failures = [
-            fut._retrieve()
+            error
             for fut in self._futures
-            if not fut.cancelled() and fut._exception is not None
+            if not fut.cancelled() and (error := fut._retrieve()) is not None
         ]
         if not failures:
             return False  # the block's own exception, if any, propagates
@@ -342,7 +343,9 @@ class TaskGroup:
         errors = [exc, *failures] if exc is not None else failures
         if len(errors) == 1:
             raise errors[0]
-        raise ExceptionGroup(f"{len(errors)} errors in a task group", errors)
+        # An ExceptionGroup when every error is an Exception, else (a task
+        # raised SystemExit, say) a BaseExceptionGroup, which may hold any.
+        raise BaseExceptionGroup(f"{len(errors)} errors in a task group", errors)
 
 
 def task_group() -> TaskGroup:

@@ -290,6 +290,26 @@ def test_task_group_several_failures_make_an_exception_group():
     assert sorted(e.args[0] for e in info.value.exceptions) == [0, 1]
 
 
+def test_task_group_failures_that_are_not_all_exceptions_make_a_base_exception_group():
+    # ExceptionGroup refuses a SystemExit: the group says what failed instead
+    # of raising TypeError.
+    barrier = threading.Barrier(2)
+
+    def fail(error):
+        barrier.wait(5)
+        raise error
+
+    with (
+        aiopar.use_backend("thread", max_workers=2),
+        pytest.raises(BaseExceptionGroup) as info,
+        aiopar.task_group() as tg,
+    ):
+        tg.fork(fail, ValueError("a"))
+        tg.fork(fail, SystemExit(3))
+    assert not isinstance(info.value, ExceptionGroup)
+    assert sorted(type(e).__name__ for e in info.value.exceptions) == ["SystemExit", "ValueError"]
+
+
 def test_task_group_body_error_cancels_pending_and_propagates():
     gate = threading.Event()
     with (
