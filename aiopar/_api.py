@@ -58,7 +58,8 @@ def wait(fut: Future[T], timeout: float | None = None) -> T:
     return _check_future(fut, "wait()").wait(timeout)
 
 
-def _check_future(fut: object, where: str) -> Future[Any]:
+def _check_future(fut: Future[T], where: str) -> Future[T]:
+    """``fut``, if it is an aiopar Future (a caller may pass anything)."""
     if not isinstance(fut, Future):
         raise TypeError(not_a_future_message(fut, where))
     return fut

@@ -73,7 +73,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import _future
 
@@ -147,7 +147,7 @@ THREAD_ENV_VARS = (
 def threads_from_env() -> tuple[int | None, str | None, list[str]]:
     """The intra-op count the environment sets, the variable that set it, and
     a sentence for each variable that was set but is not a count."""
-    ignored = []
+    ignored: list[str] = []
     for name in THREAD_ENV_VARS[:4]:
         value = os.environ.get(name, "").strip()
         if not value:
@@ -410,7 +410,7 @@ class Budget:
         """
         with self.lock:
             self._scan()
-            infos = self.controller.info()
+            infos: list[dict[str, Any]] = self.controller.info()
             by_path = {lib.filepath: lib for lib in self.process_wide}
             for info in infos:
                 lib = by_path.get(info["filepath"])
@@ -440,10 +440,11 @@ def process_wide_setter(lib: Any) -> Callable[[int], Any]:
     """
     if lib.internal_api == "openblas":
         for get_symbol in type(lib).check_symbols:
-            setter = getattr(lib.dynlib, get_symbol.replace("_get_", "_set_"), None)
+            name = get_symbol.replace("_get_", "_set_")
+            setter: Callable[[int], Any] | None = getattr(lib.dynlib, name, None)
             if setter is not None:
                 return setter
-    return lib.set_num_threads
+    return cast("Callable[[int], Any]", lib.set_num_threads)
 
 
 def process_wide_getter(lib: Any) -> Callable[[], Any]:
@@ -452,7 +453,7 @@ def process_wide_getter(lib: Any) -> Callable[[], Any]:
     threadpoolctl's property."""
     if lib.internal_api == "openblas":
         for get_symbol in type(lib).check_symbols:
-            getter = getattr(lib.dynlib, get_symbol, None)
+            getter: Callable[[], Any] | None = getattr(lib.dynlib, get_symbol, None)
             if getter is not None:
                 return getter
     return lambda: lib.num_threads

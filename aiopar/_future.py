@@ -18,6 +18,7 @@ import warnings
 from asyncio import _get_running_loop
 from collections import deque
 from collections.abc import Callable, Generator
+from types import FrameType
 from typing import Any, Generic, Protocol, TypeVar
 
 from . import _loop, _trace
@@ -82,7 +83,7 @@ def get_waiter() -> Waiter | None:
     return _local.__dict__.get("waiter")
 
 
-class Future(Generic[T], concurrent.futures.Future):
+class Future(Generic[T], concurrent.futures.Future[T]):
     """The result of a forked task, or a value a user settles by hand.
 
     Thread-safe: any thread may wait on, settle, cancel or add callbacks to
@@ -102,12 +103,17 @@ class Future(Generic[T], concurrent.futures.Future):
         "_waiters",
     )
 
+    # The names concurrent.futures.wait() and as_completed() read (see
+    # _interop), with aiopar's own types rather than the base class's.
+    _state: int  # type: ignore[assignment]
+    _waiters: list[Any] | None  # type: ignore[assignment]
+
     def __init__(self) -> None:
         self._state = PENDING
         self._result: Any = None
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[T]], object]] | None = None
-        self._waiters: list[Any] | None = None
+        self._waiters = None
         self._lock = threading.Lock()
         self._task: Any = None  # the forked task behind this future, if any
         # Set while a failure nobody has read yet would be logged when the
@@ -165,7 +171,7 @@ class Future(Generic[T], concurrent.futures.Future):
         if not self._settle(result, None):
             raise InvalidStateError(f"{self!r} is already done; a future is settled only once")
 
-    def set_exception(self, exception: BaseException) -> None:
+    def set_exception(self, exception: BaseException) -> None:  # type: ignore[override] # None is refused
         """Settle the future with an exception; a second settle raises InvalidStateError."""
         if isinstance(exception, type) and issubclass(exception, BaseException):
             exception = exception()
@@ -224,9 +230,11 @@ class Future(Generic[T], concurrent.futures.Future):
         """
         state = self._state
         if state == FINISHED:
-            if self._exception is not None:
-                raise self._retrieve().with_traceback(self._result)
-            return self._result
+            exception = self._exception
+            if exception is not None:
+                self._retrieve()
+                raise exception.with_traceback(self._result)
+            return self._result  # type: ignore[no-any-return]
         if state == CANCELLED:
             raise CancelledError(f"{self!r} was cancelled before its task started")
         raise InvalidStateError(f"{self!r} is not done; call wait() or await it to get its value")
@@ -433,7 +441,7 @@ class Future(Generic[T], concurrent.futures.Future):
         raise InvalidStateError(f"{self!r} is already running or done; a future runs only once")
 
     @property
-    def _condition(self) -> CfCondition:
+    def _condition(self) -> CfCondition:  # type: ignore[override] # made on demand
         # What concurrent.futures.wait() and as_completed() lock.
         return CfCondition(self)
 
@@ -535,7 +543,8 @@ _PACKAGE_DIR = os.path.dirname(__file__) + os.sep
 def _warn_blocking_loop() -> None:
     """Warn that this thread runs an event loop that a blocking wait stalls,
     once per line of the caller's code (the warnings module's default)."""
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     warnings.warn(

@@ -39,6 +39,8 @@ class _BudgetedTask(Task):
     holds a budget token from its fork (an idle worker was woken for it)."""
 
     __slots__ = ("forker", "reserved")
+    forker: _budget.Slot | None
+    reserved: bool
 
     def run(self) -> None:
         future = self.claim()
@@ -216,7 +218,8 @@ class ThreadBackend(Backend):
                 continue
             worker.task = task
             task.run()
-            worker.task = task = None
+            worker.task = None
+            del task  # the worker keeps no reference while it waits for the next
 
     def _retire(self, worker: _Worker) -> bool:
         """Stop this worker if the pool has more than its limit; True if so."""
