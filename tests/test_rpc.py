@@ -254,6 +254,34 @@ def test_init_rpc_twice_says_so(fake):
         rpc.init_rpc("again")
 
 
+def test_a_failed_init_rpc_leaves_no_peer(monkeypatch):
+    from aiopar.rpc import _rref
+
+    class FailingEngine(FakeEngine):
+        """Its peer makes itself current and is given a value to own, then the
+        start fails (as a real peer does whose wait for world_size times out)."""
+
+        def start(self, name, rank, world_size, options) -> FakeAgent:
+            rpc_agent.set_current_agent(super().start(name, rank, world_size, options))
+            rpc.RRef("made by a caller before the start failed")
+            raise TimeoutError("init_rpc waited 0.1 s for 3 peers")
+
+    failing, working = FailingEngine(), FakeEngine()
+    engines = iter([failing, working])
+    monkeypatch.setattr(rpc_agent, "find_engine", lambda backend=None: next(engines))
+    with pytest.raises(TimeoutError, match="for 3 peers"):
+        rpc.init_rpc("me", world_size=3)
+    assert rpc_agent._current is None
+    assert _rref._owned == {}
+    with pytest.raises(RuntimeError, match="init_rpc"):
+        rpc.get_worker_info()
+    rpc.init_rpc("me")
+    try:
+        assert rpc_agent.current_agent() is working.agents[0]
+    finally:
+        rpc.shutdown()
+
+
 def test_bad_calls_fail_at_the_call(fake):
     with pytest.raises(ValueError, match="the peers are"):
         rpc.rpc_async("nobody", add)

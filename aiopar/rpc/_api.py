@@ -61,7 +61,9 @@ def init_rpc(
     ``"dask"``, or the only one).
 
     Calls from several threads are serialised: one of them makes this
-    process a peer, the others raise RuntimeError.
+    process a peer, the others raise RuntimeError. If it raises (or is
+    interrupted), this process is not a peer, what the engine started
+    for it has stopped, and ``init_rpc`` may be called again.
 
     It raises:
 
@@ -99,7 +101,15 @@ def init_rpc(
                 f"call aiopar.rpc.shutdown() before init_rpc() again"
             )
         engine = _agent.find_engine(backend)
-        _agent.set_current_agent(engine.start(name, rank, world_size, options))
+        try:
+            agent = engine.start(name, rank, world_size, options)
+        except BaseException:
+            # The engine's peer may have made itself current, and even been
+            # called, before the start failed: this process is no peer.
+            _agent.set_current_agent(None)
+            forget_owned()
+            raise
+        _agent.set_current_agent(agent)
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

@@ -172,7 +172,12 @@ class RpcEngine(Protocol):
     def start(
         self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
     ) -> RpcAgent:
-        """Make this process the peer ``name`` (see ``init_rpc``) and return its agent."""
+        """Make this process the peer ``name`` (see ``init_rpc``) and return its agent.
+
+        If it raises, or is interrupted, it first stops what it started
+        (threads, processes, clusters, connections): the process is left
+        as it was.
+        """
 
     def serve(
         self, scheduler: str, name: str, rank: int | None, options: RpcBackendOptions

@@ -586,8 +586,9 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-async def _close(worker: Peer, cluster: SpecCluster | None) -> None:
-    await worker.close(reason="aiopar.rpc.shutdown")
+async def _close(worker: Peer | None, cluster: SpecCluster | None) -> None:
+    if worker is not None:
+        await worker.close(reason="aiopar.rpc.shutdown")
     if cluster is not None:
         await cluster.close()
 
@@ -628,17 +629,38 @@ def _host_towards(address: str) -> str:
     return get_ip(get_address_host(address))
 
 
+class _Parts:
+    """What ``init_rpc`` has started so far: stopped again if it fails."""
+
+    def __init__(self) -> None:
+        self.peer: Peer | None = None
+        self.cluster: SpecCluster | None = None
+
+
 async def _start_peer(
-    address: str, name: str, rank: int | None, joined: bool, options: RpcBackendOptions
+    address: str,
+    name: str,
+    rank: int | None,
+    joined: bool,
+    options: RpcBackendOptions,
+    parts: _Parts | None = None,
 ) -> Peer:
     """Start this process's :class:`Peer` on the scheduler at ``address``.
 
     Without a rank it takes the smallest one free, under a dask lock so two
-    peers joining at once do not take the same.
+    peers joining at once do not take the same. The peer is noted in
+    ``parts`` as soon as it exists.
     """
     kwargs = {**_peer_options(0, joined, options), "name": name, "host": _host_towards(address)}
+
+    def new_peer(rank: int) -> Peer:
+        peer = Peer(address, **{**kwargs, "rank": rank})
+        if parts is not None:
+            parts.peer = peer
+        return peer
+
     if rank is not None:
-        peer = await _registered(Peer(address, **{**kwargs, "rank": rank}), name)
+        peer = await _registered(new_peer(rank), name)
         others = await peer.scheduler.identity(n_workers=-1)
         clash = [
             w["name"]
@@ -660,7 +682,7 @@ async def _start_peer(
         identity = await client.scheduler.identity(n_workers=-1)
         taken = {w["aiopar_rank"] for w in identity["workers"].values() if "aiopar_rank" in w}
         free = min(set(range(len(taken) + 1)) - taken)
-        return await _registered(Peer(address, **{**kwargs, "rank": free}), name)
+        return await _registered(new_peer(free), name)
 
 
 async def _registered(peer: Peer, name: str) -> Peer:
@@ -675,9 +697,14 @@ async def _registered(peer: Peer, name: str) -> Peer:
 
 
 async def _start(
-    name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
+    name: str,
+    rank: int | None,
+    world_size: int | None,
+    options: RpcBackendOptions,
+    parts: _Parts,
 ) -> DaskRpcAgent:
-    cluster = None
+    """Start this process's peer (and the embedded cluster), noting each in
+    ``parts``; the caller stops them if this raises."""
     address = options.init_method
     if address is None:
         rank = 0 if rank is None else rank
@@ -687,7 +714,7 @@ async def _start(
                 f"the embedded cluster names its other peers as torch does ({', '.join(others)}); "
                 f"{name!r} is rank {others[name]}'s name: call this peer worker{rank}"
             )
-        cluster = await SpecCluster(
+        cluster = parts.cluster = SpecCluster(
             scheduler=_scheduler_spec(options.security),
             workers={
                 peer_name: {
@@ -706,15 +733,11 @@ async def _start(
             silence_logs=logging.WARN,
             name="aiopar.rpc",
         )
+        await cluster
         address = cluster.scheduler_address
-    try:
-        peer = await _start_peer(address, name, rank, True, options)
-    except BaseException:
-        if cluster is not None:
-            await cluster.close()
-        raise
+    peer = await _start_peer(address, name, rank, True, options, parts)
     agent = peer.rpc_agent
-    agent.cluster = cluster
+    agent.cluster = parts.cluster
     if world_size is not None and options.init_method is not None:
         await _wait_for_peers(agent, world_size, options.rpc_timeout)
     return agent
@@ -728,7 +751,6 @@ async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) 
         names = sorted(agent._peers)
         if len(names) >= world_size:
             return
-    await _close(agent._worker, None)
     raise TimeoutError(
         f"init_rpc waited {timeout:g} s for {world_size} peers, and only these joined: "
         f"{', '.join(names)}"
@@ -755,7 +777,30 @@ class _LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        """Run ``coro`` on the loop and return its result. If this thread is
+        interrupted (Ctrl-C) meanwhile, ``coro`` is cancelled, and its
+        cleanup has run when the interruption propagates."""
+        task: asyncio.Task[Any] | None = None
+        finished = threading.Event()
+
+        def start() -> None:
+            nonlocal task
+            task = self.loop.create_task(coro)
+            task.add_done_callback(lambda _: finished.set())
+
+        def cancel() -> None:
+            assert task is not None  # start() ran first: the loop runs callbacks in order
+            task.cancel()
+
+        self.loop.call_soon_threadsafe(start)
+        try:
+            finished.wait()
+        except BaseException:
+            self.loop.call_soon_threadsafe(cancel)
+            finished.wait()
+            raise
+        assert task is not None
+        return task.result()
 
     def stop(self) -> None:
         # dask resolves host names in the loop's default executor: stop its thread too
@@ -773,10 +818,11 @@ class _Engine:
     ) -> DaskRpcAgent:
         """Make this process the peer ``name`` (``init_rpc``)."""
         runner = _LoopThread()
+        parts = _Parts()
         try:
-            agent = runner.run(_start(name, rank, world_size, options))
+            agent = runner.run(_start(name, rank, world_size, options, parts))
         except BaseException:
-            runner.stop()
+            _undo(runner, parts)
             raise
         agent.on_close = runner.stop
         _started.add(agent)
@@ -801,6 +847,19 @@ class _Engine:
             await peer.close(reason="aiopar worker stopped")
 
         asyncio.run(main())
+
+
+def _undo(runner: _LoopThread, parts: _Parts) -> None:
+    """After a failed start: stop what it started, threads included, and the loop."""
+    try:
+        runner.run(_close(parts.peer, parts.cluster))
+        if parts.peer is not None:
+            agent = parts.peer.rpc_agent
+            agent._join()
+            if aiopar.rpc.agent._current is agent:  # Peer.start_unsafe made it current
+                set_current_agent(None)
+    finally:
+        runner.stop()
 
 
 rpc_engine = _Engine()

@@ -170,6 +170,82 @@ def test_a_taken_name_is_refused(scheduler, leaves_nothing_behind):
         rpc.shutdown()
 
 
+def peer_names(scheduler: str) -> set[str]:
+    """The names of the workers (peers) that the scheduler at ``scheduler`` lists now."""
+    with distributed.Client(scheduler, timeout=30) as client:
+        return {w["name"] for w in client.scheduler_info()["workers"].values()}
+
+
+def assert_left_as_it_was(left: Leftovers, scheduler: str) -> None:
+    """After a failed init_rpc: no peer here, nothing of it running, none at the scheduler."""
+    assert rpc.agent._current is None
+    with pytest.raises(RuntimeError, match="init_rpc"):
+        rpc.get_worker_info()
+    assert left.threads() == set()
+    assert left.processes() == set()
+    assert wait_until(lambda: "a" not in peer_names(scheduler), timeout=10)
+    # and this process can be a peer again, under the same name
+    rpc.init_rpc("a", rpc_backend_options=options(init_method=scheduler))
+    assert rpc.get_worker_info().name == "a"
+    rpc.shutdown()
+
+
+def test_init_rpc_that_waits_in_vain_for_peers_leaves_no_peer(scheduler, leaves_nothing_behind):
+    left = Leftovers()
+    with pytest.raises(TimeoutError, match="for 2 peers"):
+        rpc.init_rpc(
+            "a", world_size=2, rpc_backend_options=options(init_method=scheduler, rpc_timeout=0.5)
+        )
+    assert_left_as_it_was(left, scheduler)
+
+
+def test_init_rpc_with_a_taken_rank_leaves_no_peer(scheduler, leaves_nothing_behind):
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "aiopar", "worker", "--scheduler", scheduler, "--name", "holder"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_until(lambda: "holder" in peer_names(scheduler), timeout=60, interval=0.2)
+        left = Leftovers()
+        with pytest.raises(ValueError, match="rank 0 is taken by rpc peer 'holder'"):
+            rpc.init_rpc("a", rank=0, rpc_backend_options=options(init_method=scheduler))
+        assert_left_as_it_was(left, scheduler)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stderr.close()
+
+
+def test_init_rpc_interrupted_while_waiting_for_peers_leaves_no_peer(scheduler):
+    script = """
+        import sys
+        import threading
+        from aiopar import rpc
+
+        options = rpc.RpcBackendOptions(init_method=sys.argv[1], rpc_timeout=0)  # no limit
+        try:
+            rpc.init_rpc("a", world_size=2, rpc_backend_options=options)
+        except KeyboardInterrupt:
+            print("interrupted")
+        print(rpc.agent._current)
+        print(sorted(t.name for t in threading.enumerate() if t.name.startswith("aiopar-")))
+        rpc.init_rpc("a", rpc_backend_options=options)
+        rpc.shutdown()
+        print("again")
+    """
+    proc = start_python(script, scheduler)
+    try:
+        joined = wait_until(lambda: "a" in peer_names(scheduler), timeout=60, interval=0.2)
+        assert joined, proc.stderr.read() if proc.poll() is not None else "peer a never joined"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.split("\n") == ["interrupted", "None", "[]", "again", ""], err
+
+
 def test_exit_without_shutdown_leaves_nothing_running(tmp_path):
     script = """
         import numpy as np
