@@ -231,6 +231,17 @@ def test_timeouts_follow_torch():
             rpc_agent.check_timeout(bad, 60.0)
 
 
+def test_an_infinite_or_huge_timeout_is_no_limit():
+    inf = float("inf")
+    for huge in (inf, 1e300, 10**400, threading.TIMEOUT_MAX * 2):
+        assert rpc_agent.check_timeout(huge, 60.0) == 0.0  # what an engine takes for no limit
+        assert rpc_agent.check_timeout(-1, huge) == 0.0  # rpc_timeout in init_rpc's options
+    assert rpc_agent.check_timeout(threading.TIMEOUT_MAX, 60.0) == threading.TIMEOUT_MAX
+    assert RpcBackendOptions(rpc_timeout=inf).rpc_timeout == inf
+    with pytest.raises(ValueError, match="0, None or inf: no limit"):
+        rpc_agent.check_timeout(-inf, 60.0)
+
+
 # -- on the fake engine ---------------------------------------------------------------------
 
 

@@ -78,7 +78,7 @@ def init_rpc(
       not :class:`RpcBackendOptions`;
     - TimeoutError if, joining a scheduler, fewer than ``world_size`` peers
       have joined after the options' ``rpc_timeout`` seconds (never, if it
-      is 0).
+      is 0 or infinite).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name is this peer's name, a non-empty string, got {name!r}")
@@ -173,7 +173,8 @@ def rpc_async(
       traceback;
     - or TimeoutError once ``timeout`` seconds pass without a reply (-1:
       the ``rpc_timeout`` of :func:`init_rpc`'s options, 60 s unless set;
-      0 or None: no limit);
+      0, None or ``float("inf")``: no limit, as is any number of seconds
+      too large for a lock to wait, ``threading.TIMEOUT_MAX``);
     - or an error naming the peer soon after it dies or cannot be reached
       (:class:`aiopar.BrokenWorkerError` with aiopar-dask), or RuntimeError
       if this peer shuts down before the reply comes.
@@ -185,7 +186,8 @@ def rpc_async(
 
     - RuntimeError if this process is not a peer;
     - ValueError listing the peers for an unknown ``to``, and for a
-      ``timeout`` that is not -1, None or a number of seconds >= 0;
+      ``timeout`` that is not -1, None or a number of seconds >= 0 (NaN
+      is not);
     - TypeError for a ``func`` that is not callable, ``args`` or ``kwargs``
       of another type, and arguments that do not pickle.
     """

@@ -226,13 +226,14 @@ class RRef(Generic[T]):
         """A copy of the value, fetched from the owner (the value itself on the owner).
 
         Blocks until the value exists, for at most ``timeout`` seconds (-1:
-        the ``rpc_timeout`` of :func:`~aiopar.rpc.init_rpc`'s options; 0 or
-        None: no limit), then raises TimeoutError. A value whose creation
-        call never reached the owner never exists: that too ends in
-        TimeoutError, or waits forever with no limit. Raises the exception
-        that the function making the value raised, if it did, an error
-        naming the owner if it dies meanwhile, ValueError for a bad
-        ``timeout``, and RuntimeError if this process is not a peer.
+        the ``rpc_timeout`` of :func:`~aiopar.rpc.init_rpc`'s options; 0,
+        None or ``float("inf")``: no limit), then raises TimeoutError. A
+        value whose creation call never reached the owner never exists:
+        that too ends in TimeoutError, or waits forever with no limit.
+        Raises the exception that the function making the value raised, if
+        it did, an error naming the owner if it dies meanwhile, ValueError
+        for a bad ``timeout``, and RuntimeError if this process is not a
+        peer.
         """
         agent = _agent.current_agent()
         seconds = _agent.check_timeout(timeout, agent.default_timeout)

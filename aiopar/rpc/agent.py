@@ -17,7 +17,6 @@ callee, the agent runs each incoming call through :func:`run_callee`.
 from __future__ import annotations
 
 import inspect
-import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -76,15 +75,17 @@ class RpcBackendOptions:
     an engine needs). Keyword-only and frozen.
 
     ``rpc_timeout`` is the default timeout of every call from this process,
-    in seconds (0: no limit), and also how long ``init_rpc`` waits for
-    ``world_size`` peers to join a scheduler. ``init_method`` is the
-    address of the scheduler to join (such as ``"tcp://10.0.0.5:8786"``);
-    None starts an embedded cluster on this machine, listening on loopback
-    only. ``num_worker_threads`` is how many calls each peer this process
-    starts runs at once (this process's own and those of the embedded
-    cluster; calls blocked in ``wait`` and pending ``async_execution``
-    futures do not count). ``security`` is passed to the engine (for dask,
-    a ``distributed.Security``: TLS for the cluster and the calls).
+    in seconds (0 or ``float("inf")``: no limit, as is any number of seconds
+    too large for a lock to wait, ``threading.TIMEOUT_MAX``), and also how
+    long ``init_rpc`` waits for ``world_size`` peers to join a scheduler.
+    ``init_method`` is the address of the scheduler to join (such as
+    ``"tcp://10.0.0.5:8786"``); None starts an embedded cluster on this
+    machine, listening on loopback only. ``num_worker_threads`` is how many
+    calls each peer this process starts runs at once (this process's own and
+    those of the embedded cluster; calls blocked in ``wait`` and pending
+    ``async_execution`` futures do not count). ``security`` is passed to the
+    engine (for dask, a ``distributed.Security``: TLS for the cluster and
+    the calls).
 
     Raises ValueError for an ``rpc_timeout`` that is not a number >= 0 or a
     ``num_worker_threads`` that is not a whole number >= 1, and TypeError
@@ -100,7 +101,7 @@ class RpcBackendOptions:
         timeout = self.rpc_timeout
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout >= 0:
             raise ValueError(
-                f"rpc_timeout is a number of seconds >= 0 (0: no limit), got {timeout!r}"
+                f"rpc_timeout is a number of seconds >= 0 (0 or inf: no limit), got {timeout!r}"
             )
         if self.init_method is not None and not isinstance(self.init_method, str):
             raise TypeError(
@@ -154,7 +155,8 @@ class RpcAgent(ABC):
 
         Returns at once. The future gets the value, or the callee's
         exception with its type and remote traceback, or TimeoutError after
-        ``timeout`` seconds (0: never), or an error naming ``to`` soon after
+        ``timeout`` seconds (0: never; else at most ``threading.TIMEOUT_MAX``,
+        as :func:`check_timeout` gives), or an error naming ``to`` soon after
         that peer dies. Raises at once if the call cannot be sent (its
         arguments do not pickle, the agent is shut down).
         """
@@ -241,18 +243,24 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 def check_timeout(timeout: object, default: float) -> float:
-    """A call's timeout in seconds (0: no limit): torch's -1 (the default),
-    None (no limit) or a number >= 0."""
+    """A call's timeout in seconds, 0 for no limit, from torch's -1 (``default``),
+    None, 0 or ``float("inf")`` (no limit), or a number of seconds.
+
+    As in :meth:`aiopar.Future.wait`, more seconds than a lock can wait
+    (``threading.TIMEOUT_MAX``, about 292 years) are no limit too, so an
+    engine is given 0 or a number it can wait for. Raises ValueError for
+    anything else (a negative number but -1, NaN, a string, a bool).
+    """
     if timeout is None:
         return 0.0
     if isinstance(timeout, int | float) and not isinstance(timeout, bool):
         if timeout == -1:
-            return default
-        if timeout >= 0 and not math.isnan(timeout):
-            return float(timeout)
+            timeout = default
+        if timeout >= 0:  # False for NaN
+            return 0.0 if timeout > threading.TIMEOUT_MAX else float(timeout)
     raise ValueError(
-        f"timeout is a number of seconds >= 0 (0 or None: no limit; -1: the default set "
-        f"in init_rpc), got {timeout!r}"
+        f"timeout is a number of seconds >= 0 (0, None or inf: no limit; -1: the default "
+        f"set in init_rpc), got {timeout!r}"
     )
 
 

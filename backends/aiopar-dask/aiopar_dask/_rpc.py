@@ -161,7 +161,9 @@ class _Link:
             if self.broken is not None:
                 raise aiopar.BrokenWorkerError(str(self.broken)) from self.broken
             call_id = next(self.ids)
-            tick = self.agent._timeouts.add(timeout, self, call_id) if timeout else None
+            # 0, infinity and more than a lock can wait: no limit (aiopar.rpc gives 0 for all)
+            limited = 0 < timeout <= threading.TIMEOUT_MAX
+            tick = self.agent._timeouts.add(timeout, self, call_id) if limited else None
             self.pending[call_id] = (future, what, tick)
         try:
             self.connection.send(_wire.CALL, call_id, *frames)

@@ -217,6 +217,24 @@ def test_a_call_times_out(peers):
     assert time.monotonic() - start < 3
 
 
+@pytest.mark.parametrize(
+    "timeout",
+    [float("inf"), 1e300, 10**400, threading.TIMEOUT_MAX],
+    ids=["inf", "1e300", "10**400", "TIMEOUT_MAX"],
+)
+def test_an_infinite_or_huge_timeout_is_no_limit(peers, timeout):
+    assert rpc.rpc_sync("worker1", np.add, args=(1, 2), timeout=timeout) == 3
+    rref = rpc.remote("worker1", np.add, args=(2, 2), timeout=timeout)
+    assert rref.to_here(timeout=timeout) == 4
+    # the engine, called directly, takes such timeouts as no limit too
+    agent = rpc.agent.current_agent()
+    assert agent.call(agent.peer("worker1"), np.add, (3, 3), {}, timeout).wait(10) == 6
+    # and calls with a timeout still time out
+    late = rpc.rpc_async("worker2", after_timer, args=(2, None), timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"no reply after 0\.2 s"):
+        late.wait(timeout=10)
+
+
 def test_what_does_not_pickle_fails_clearly(peers):
     with pytest.raises(TypeError, match="cannot be sent"):
         rpc.rpc_async("worker1", whoami, args=(threading.Lock(),))

@@ -246,6 +246,21 @@ def test_init_rpc_interrupted_while_waiting_for_peers_leaves_no_peer(scheduler):
     assert out.split("\n") == ["interrupted", "None", "[]", "again", ""], err
 
 
+@pytest.mark.parametrize("rpc_timeout", [float("inf"), 1e300])
+def test_an_infinite_rpc_timeout_is_no_limit(scheduler, leaves_nothing_behind, rpc_timeout):
+    opts = options(init_method=scheduler, rpc_timeout=rpc_timeout)
+    rpc.init_rpc("a", world_size=1, rpc_backend_options=opts)
+    try:
+        assert rpc.rpc_sync("a", np.add, args=(1, 2)) == 3
+        assert rpc.remote("a", np.add, args=(2, 2)).to_here() == 4
+        # and calls with a timeout still time out
+        late = rpc.rpc_async("a", after_timer, args=(2, None), timeout=0.2)
+        with pytest.raises(TimeoutError, match=r"no reply after 0\.2 s"):
+            late.wait(timeout=10)
+    finally:
+        rpc.shutdown()
+
+
 def test_exit_without_shutdown_leaves_nothing_running(tmp_path):
     script = """
         import numpy as np
