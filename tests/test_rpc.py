@@ -9,9 +9,11 @@ same names across processes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import pickle
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import pytest
@@ -388,6 +390,52 @@ def test_a_collected_rref_drops_its_value_on_the_owner(fake):
     assert rref_id in _rref._owned  # "other" lives in this process here
     del rref
     rpc.rpc_sync("other", add, args=(1, 1))  # the next call tells the owner
+    deadline = time.monotonic() + 5
+    while rref_id in _rref._owned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rref_id not in _rref._owned
+
+
+def test_two_calls_sending_the_same_collected_rref_at_once(fake, monkeypatch):
+    from aiopar.rpc import _api, _rref
+
+    class Pausing(deque):
+        """Its first two poplefts wait for each other: both callers have seen
+        the one collected RRef queued before either takes it."""
+
+        both_here = threading.Barrier(2, timeout=5)
+        pauses = iter(range(2))
+
+        def popleft(self):
+            if next(self.pauses, None) is not None:
+                self.both_here.wait()
+            return super().popleft()
+
+    rref = rpc.remote("other", Counter, args=(1,))
+    assert rref.to_here().n == 1
+    rref_id = rref._id
+    gc.collect()  # RRefs of earlier tests in reference cycles go to the real queue
+    collected = Pausing()
+    monkeypatch.setattr(_rref, "_collected", collected)
+    monkeypatch.setattr(_api, "_collected", collected)
+    del rref  # queued in the Pausing deque
+    assert list(collected) == [(WorkerInfo("other", 1), rref_id)]
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(rpc.rpc_sync("other", add, args=(1, 2)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+    assert results == [3, 3]
+    assert rref_id not in [queued for _, queued in collected]
     deadline = time.monotonic() + 5
     while rref_id in _rref._owned and time.monotonic() < deadline:
         time.sleep(0.01)

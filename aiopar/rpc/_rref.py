@@ -106,10 +106,16 @@ _collected: deque[tuple[WorkerInfo, str]] = deque()  # RRefs collected here, by 
 
 
 def send_collected(agent: _agent.RpcAgent) -> None:
-    """Tell the owners of the RRefs collected here to drop their values."""
+    """Tell the owners of the RRefs collected here to drop their values.
+
+    Safe in several threads at once: each id queued is sent by one of them.
+    """
     by_owner: dict[WorkerInfo, list[str]] = {}
-    while _collected:
-        owner, rref_id = _collected.popleft()
+    while True:
+        try:  # popleft is atomic; a check before it could see an id another thread takes
+            owner, rref_id = _collected.popleft()
+        except IndexError:
+            break
         by_owner.setdefault(owner, []).append(rref_id)
     for owner, rref_ids in by_owner.items():
         if owner.name == agent.worker_info.name:
