@@ -10,7 +10,7 @@ from .._budget import check_count
 from .._future import Future
 from . import agent as _agent
 from ._rref import RRef, _collected, _create, _new_id, forget_owned, send_collected
-from .agent import ENTRY_POINT_GROUP, RpcBackendOptions, WorkerInfo, check_timeout
+from .agent import RpcBackendOptions, WorkerInfo, check_timeout
 
 __all__ = [
     "get_worker_info",
@@ -33,7 +33,7 @@ def is_available() -> bool:
     True does not mean that :func:`init_rpc` was called; this starts nothing
     and never raises.
     """
-    return bool(_agent.entry_points(group=ENTRY_POINT_GROUP))
+    return bool(_agent.installed_engines())
 
 
 def init_rpc(

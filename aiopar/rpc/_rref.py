@@ -226,7 +226,8 @@ class RRef(Generic[T]):
                 f"{_agent.current_agent().worker_info.name!r}: call to_here() to copy it here"
             )
         self._raise_if_creation_failed()
-        return _slot(self._id).wait()
+        value: T = _slot(self._id).wait()
+        return value
 
     def to_here(self, timeout: float = -1) -> T:
         """A copy of the value, fetched from the owner (the value itself on the owner).
@@ -243,10 +244,13 @@ class RRef(Generic[T]):
         """
         agent = _agent.current_agent()
         seconds = _agent.check_timeout(timeout, agent.default_timeout)
+        value: T
         if self.is_owner():
             self._raise_if_creation_failed()
-            return _slot(self._id).wait(seconds or None)
-        return agent.call(self._owner, _fetch, (self._id,), {}, seconds).wait()
+            value = _slot(self._id).wait(seconds or None)
+        else:
+            value = agent.call(self._owner, _fetch, (self._id,), {}, seconds).wait()
+        return value
 
     def _raise_if_creation_failed(self) -> None:
         created = self._created

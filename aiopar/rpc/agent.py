@@ -21,7 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NamedTuple, Protocol
 
 from .._api import wrap
@@ -37,6 +37,7 @@ __all__ = [
     "WorkerInfo",
     "current_agent",
     "find_engine",
+    "installed_engines",
     "is_async_execution",
     "run_callee",
     "serve_peer",
@@ -264,6 +265,11 @@ def check_timeout(timeout: object, default: float) -> float:
     )
 
 
+def installed_engines() -> dict[str, EntryPoint]:
+    """The rpc engines installed, by the name their distribution registers."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def find_engine(backend: str | None = None) -> RpcEngine:
     """The engine registered as ``backend`` (None: ``"dask"``, or the only one).
 
@@ -271,7 +277,7 @@ def find_engine(backend: str | None = None) -> RpcEngine:
     is installed, and ValueError, naming the installed ones, if none is
     called ``backend``.
     """
-    found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    found = installed_engines()
     if not found:
         raise RuntimeError(
             "aiopar.rpc needs an engine to carry its calls, and none is installed: "
@@ -283,7 +289,8 @@ def find_engine(backend: str | None = None) -> RpcEngine:
         raise ValueError(
             f"no rpc engine called {backend!r} is installed; installed: {', '.join(sorted(found))}"
         )
-    return found[backend].load()
+    engine: RpcEngine = found[backend].load()
+    return engine
 
 
 def serve_peer(
