@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return USAGE_ERROR
-        status = args.run(args)
+        status: int = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return status
     except UsageError as exc:

@@ -638,7 +638,9 @@ class _InWorker:
 
         # 0 is the task, i + 1 the i-th record; None: no task, or one
         # forked before this task ran.
-        index = {record: i for i, record in enumerate([self._task, *records])}
+        index: dict[TaskRecord | None, int] = {
+            record: i for i, record in enumerate([self._task, *records])
+        }
         forks = [
             (
                 r.name,

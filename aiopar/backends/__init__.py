@@ -61,13 +61,15 @@ def available_backends() -> list[str]:
 def _factory(name: str) -> Callable[..., Backend]:
     if name in _BUILTINS:
         module, _, attr = _BUILTINS[name].partition(":")
-        return getattr(importlib.import_module(module), attr)
+        builtin: Callable[..., Backend] = getattr(importlib.import_module(module), attr)
+        return builtin
     entry_point = _plugin_entry_points().get(name)
     if entry_point is None:
         raise ValueError(
             f"unknown backend {name!r}; available backends: {', '.join(available_backends())}"
         )
-    return entry_point.load()
+    plugin: Callable[..., Backend] = entry_point.load()
+    return plugin
 
 
 def create_backend(name: str, **options: Any) -> Backend:

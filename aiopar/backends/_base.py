@@ -195,7 +195,7 @@ class Backend(ABC):
         future: Future[T] = Future()
         context = contextvars.copy_context()
         if (
-            fn.__code__.co_flags & _CO_COROUTINE  # type: ignore[attr-defined]
+            fn.__code__.co_flags & _CO_COROUTINE
             if type(fn) is FunctionType  # the common case, checked cheaply
             else is_async_callable(fn)
         ):

@@ -111,7 +111,8 @@ def ensemble_run(
         ens.fork_models, ens.fork_directions = fork_models, fork_directions
         with aiopar.use_backend(backend):
             if runner is None:
-                return ens(x)
+                result: np.ndarray = ens(x)
+                return result
             # the runner's own context predates use_backend: pass this one
             return runner.run(_awaited(ens, x), context=contextvars.copy_context())
 

@@ -114,7 +114,7 @@ class LSTMEnsemble(Module):
             results = [future.wait() for future in futures]
         else:
             results = [model(x) for model in self.models]
-        total = results[0]
+        total: np.ndarray = results[0]
         if not total.flags.writeable:  # a backend may hand back read-only buffers
             total = total.copy()
         for result in results[1:]:

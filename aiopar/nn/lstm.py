@@ -98,7 +98,7 @@ class LSTM(Module):
         for layer in range(num_layers):
             layer_input = input_size if layer == 0 else hidden_size * directions
             for suffix in ("", "_reverse")[:directions]:
-                shapes = {
+                shapes: dict[str, tuple[int, ...]] = {
                     f"weight_ih_l{layer}{suffix}": (gates, layer_input),
                     f"weight_hh_l{layer}{suffix}": (gates, hidden_size),
                 }

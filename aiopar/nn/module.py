@@ -279,7 +279,8 @@ class Module:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write `state_dict()` to an uncompressed ``.npz`` file at `path`."""
         with open(path, "wb") as f:
-            np.savez(f, **self.state_dict())
+            # numpy's stubs take every keyword for allow_pickle; these are arrays
+            np.savez(f, **self.state_dict())  # type: ignore[arg-type]
 
     def load(self, path: str | os.PathLike[str], strict: bool = True) -> Module:
         """Load parameters from an ``.npz`` file written by `save` (or `np.savez`); returns self.
@@ -327,4 +328,5 @@ class ModuleList(Module):
         return iter(self._modules.values())
 
     def __getitem__(self, index: int) -> Module:
-        return list(self._modules.values())[index]
+        module: Module = list(self._modules.values())[index]
+        return module
