@@ -397,7 +397,7 @@ def start_coroutine(
     if library == "asyncio":
         loop = asyncio.get_running_loop()
         fut._task = fork = _CoroutineFork(fut, fn, loop, threading.get_ident())
-        _start_asyncio(fork, run, context)
+        _start_asyncio(fork, loop, run, context)
     elif library == "trio":
         import trio
 
@@ -405,12 +405,15 @@ def start_coroutine(
         trio.lowlevel.spawn_system_task(run, context=context)
     else:
         loop = owned_loop()
-        fut._task = fork = _CoroutineFork(fut, fn, loop, _owned.thread.ident)  # type: ignore[union-attr]
-        loop.call_soon_threadsafe(_start_asyncio, fork, run, context)
+        owned = _owned
+        assert owned is not None and owned.thread.ident is not None  # owned_loop() started it
+        fut._task = fork = _CoroutineFork(fut, fn, loop, owned.thread.ident)
+        loop.call_soon_threadsafe(_start_asyncio, fork, loop, run, context)
 
 
-def _start_asyncio(fork: _CoroutineFork, run: Callable[[], Any], context: Any) -> None:
-    loop = fork.loop()  # type: ignore[misc]
+def _start_asyncio(
+    fork: _CoroutineFork, loop: asyncio.AbstractEventLoop, run: Callable[[], Any], context: Any
+) -> None:
     task = loop.create_task(run(), context=context)
     forks = _forks_of(loop)
     forks[task] = fork
