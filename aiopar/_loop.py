@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 _get_running_loop = asyncio._get_running_loop
+_sniffio_thread = sniffio.thread_local
 
 
 class _Bridge:
@@ -158,12 +159,13 @@ def running_async_library() -> str | None:
     """
     if _get_running_loop() is not None:
         return "asyncio"
-    return sniffio.thread_local.name  # trio sets it while its loop runs here
+    return _sniffio_thread.name  # trio sets it while its loop runs here
 
 
 def on_event_loop() -> bool:
     """Whether an asyncio, uvloop or trio loop runs in this thread."""
-    return running_async_library() is not None
+    # running_async_library() inlined: this runs once per fork.
+    return _get_running_loop() is not None or _sniffio_thread.name is not None
 
 
 def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]:

@@ -45,8 +45,7 @@ class _BudgetedTask(Task):
     def run(self) -> None:
         future = self.claim()
         if future is None:
-            if self.future is not None:  # cancelled: it will never run
-                self.release_budget()
+            self.release_budget()  # if it was cancelled
             return
         forker, self.forker = self.forker, None
         reserved, self.reserved = self.reserved, False
@@ -62,12 +61,17 @@ class _BudgetedTask(Task):
         self.settle(future, outcome)
 
     def release_budget(self) -> None:
-        """Give back what a task that will never run holds in the budget."""
-        forker, self.forker = self.forker, None
+        """If the task was cancelled, give back what it holds in the budget;
+        once, of all the threads that find it so (its worker, a waiter, shutdown)."""
+        future = self.future
+        if future is None or not future.cancelled():  # it runs, or ran, elsewhere
+            return
+        with future._lock:
+            forker, self.forker = self.forker, None
+            reserved, self.reserved = self.reserved, False
         if forker is not None:
             forker.fork_finished()
-        if self.reserved:
-            self.reserved = False
+        if reserved:
             _budget_give_back(now=True)
 
 
@@ -143,7 +147,12 @@ class ThreadBackend(Backend):
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
             # Workers take queued tasks without the lock, so everything about
             # the task is settled before it is queued.
-            reserved = len(self._tasks) >= self._waking and self._wake_worker()
+            reserved = (
+                len(self._tasks) >= self._waking
+                # _wake_worker's own test, first: a busy pool's forks skip the call.
+                and (self._idle or len(self._workers) - self._blocked < self.max_workers)
+                and self._wake_worker()
+            )
             if reserved:
                 _budget_take()
             if forker is not None:  # before a worker can finish the task
