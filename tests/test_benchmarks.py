@@ -1,0 +1,53 @@
+"""benchmarks/overhead.py runs end to end at a small size, and judges its targets."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from helpers import python
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _overhead_module():
+    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overhead_benchmark_runs_and_prints_its_targets() -> None:
+    result = python(
+        "benchmarks/overhead.py", "--rounds", "1", "--scale", "0.05", cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "anchor / aiopar" in result.stdout
+    assert "targets" in result.stdout
+    assert "gather of 2,000 forks (asyncio)" in result.stdout
+
+
+def _verdicts(rows: list[tuple[str, str, float, float]]) -> str:
+    console = Console(width=200, record=True)
+    console.print(_overhead_module().targets_table(rows))
+    return console.export_text()
+
+
+FLOOR = ("fork 10,000 then wait all", "the floor: the same on the inline backend (no thread)")
+EXECUTOR = ("fork 10,000 then wait all", "executor: submit 10,000, result each")
+
+
+def test_a_target_is_met_missed_or_beyond_reach_of_its_floor() -> None:
+    # anchor / aiopar: 10 / 2 = 5x against a 3x target
+    assert "met" in _verdicts([(*EXECUTOR, 2.0, 10.0), (*FLOOR, 2.0, 1.0)])
+    # 2x; the floor would reach 10x: missed
+    out = _verdicts([(*EXECUTOR, 5.0, 10.0), (*FLOOR, 5.0, 1.0)])
+    assert "missed" in out and "beyond reach" not in out and "10.00x" in out
+    # 2x; even the floor reaches only 2.5x: beyond reach
+    assert "missed: beyond reach" in _verdicts([(*EXECUTOR, 5.0, 10.0), (*FLOOR, 5.0, 4.0)])
+
+
+def test_a_target_whose_rows_did_not_run_is_left_out() -> None:
+    out = _verdicts([(*EXECUTOR, 2.0, 10.0)])  # no floor row
+    assert "executor" not in out
