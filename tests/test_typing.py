@@ -41,3 +41,12 @@ def test_mypy_strict_accepts_a_user_program_and_infers_its_types(tmp_path):
 
 def test_the_user_program_runs(tmp_path):
     subprocess.run([sys.executable, str(PROGRAM)], cwd=tmp_path, check=True, timeout=60)
+
+
+def test_aiopar_itself_passes_mypy_strict(tmp_path):
+    # Run from the checkout, so mypy reads pyproject.toml's settings.
+    mypy = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache")]
+    result = subprocess.run(
+        [*mypy, "aiopar"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -112,8 +112,9 @@ class SegmentPool:
                     seg.mapping = None
                 os.ftruncate(seg.fd, size)
                 seg.size = size
-                if all(type(part) is memoryview for _, part in placed):
-                    for offset, view in placed:
+                views = [(offset, part) for offset, part in placed if type(part) is memoryview]
+                if len(views) == len(placed):
+                    for offset, view in views:
                         # New pages: pwrite fills them without faulting each one in here.
                         written = os.pwrite(seg.fd, view, offset)
                         while written < view.nbytes:
@@ -411,8 +412,8 @@ def _fingerprint(value: Any, refs: list[Any], depth: int = 0) -> Any:
             refs.append(value)
             return id(value)  # pickled by reference
     if type(value) is tuple:
-        parts = tuple(_fingerprint(item, refs, depth + 1) for item in value)
-        return None if None in parts else parts
+        items = tuple(_fingerprint(item, refs, depth + 1) for item in value)
+        return None if None in items else items
     if type(value) is not types.FunctionType or depth > 3 or value.__dict__:
         return None
     if value.__kwdefaults__:
@@ -444,7 +445,7 @@ def _function_by_value(fn: Any) -> bytes | None:
     entry = _by_value_cache.get(fn)
     if entry is not None and entry[0] == fingerprint:
         return entry[1]
-    data = cloudpickle.dumps(fn, protocol=5)
+    data: bytes = cloudpickle.dumps(fn, protocol=5)
     _by_value_cache[fn] = (fingerprint, data, refs)
     return data
 
@@ -657,7 +658,8 @@ class Channel:
 
     def _frame_size(self) -> int:
         _, flags, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
-        return _HEADER.size + 8 * (nbufs + nrel) + (0 if flags & _PICKLE_IN_SEGMENT else plen)
+        size: int = _HEADER.size + 8 * (nbufs + nrel) + (0 if flags & _PICKLE_IN_SEGMENT else plen)
+        return size
 
     def recv(self) -> Frame | None:
         """The next frame, blocking until it is whole; None for a frame that

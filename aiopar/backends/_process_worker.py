@@ -92,7 +92,9 @@ def _drain(released: deque[int]) -> list[int]:
     return ids
 
 
-def _run(frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, released: deque[int]):
+def _run(
+    frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, released: deque[int]
+) -> None:
     msg_id = frame.msg_id
     forks = _record_forks() if frame.t0 else None  # t0: the parent profiles this task
     start = clock()
@@ -142,6 +144,12 @@ def _call(frame: wire.Frame, pool: wire.SegmentPool) -> wire.Packed:
         ) from None
 
 
+def _round_trip(data: bytes) -> bytes:
+    """``data`` once it is known to unpickle: an exception that pickles may still fail to."""
+    pickle.loads(data)
+    return data
+
+
 def _pack_error(exc: BaseException) -> wire.Packed:
     """The exception as (pickled exception or None, type name, message, traceback text)."""
     # Start the traceback at the user's code, not at this loop.
@@ -150,14 +158,12 @@ def _pack_error(exc: BaseException) -> wire.Packed:
         tb = tb.tb_next
     tb_text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
-        exc_bytes: bytes | None = pickle.dumps(exc, protocol=5)
-        pickle.loads(exc_bytes)  # an exception that pickles may still fail to unpickle
+        exc_bytes: bytes | None = _round_trip(pickle.dumps(exc, protocol=5))
     except Exception:
         try:
             import cloudpickle
 
-            exc_bytes = cloudpickle.dumps(exc, protocol=5)
-            pickle.loads(exc_bytes)
+            exc_bytes = _round_trip(cloudpickle.dumps(exc, protocol=5))
         except Exception:
             exc_bytes = None
     kind = f"{type(exc).__module__}.{type(exc).__qualname__}"

@@ -142,8 +142,9 @@ class _Job:
     __slots__ = ("forks", "future", "id", "name", "packed", "task")
 
     def __init__(self, task: Task, packed: wire.Packed, job_id: int) -> None:
+        assert task.future is not None  # a task is submitted before it runs
         self.task = task
-        self.future = task.future
+        self.future: Future[Any] = task.future
         self.name = task.name
         self.packed = packed
         self.id = job_id
@@ -153,7 +154,7 @@ class _Job:
         # future <-> task cycle so a dropped result is freed at once (its
         # shared memory then goes back to the worker without waiting for gc).
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
-        task.future = None  # type: ignore[assignment]
+        task.future = None
 
 
 class _Worker:
@@ -164,7 +165,8 @@ class _Worker:
         try:
             command = [
                 sys.executable,
-                *subprocess._args_from_interpreter_flags(),
+                # The flags this interpreter runs with (-X, -W...), as multiprocessing passes them.
+                *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
                 "-c",
                 _BOOT,
                 str(child_end.fileno()),
