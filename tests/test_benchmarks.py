@@ -51,3 +51,13 @@ def test_a_target_is_met_missed_or_beyond_reach_of_its_floor() -> None:
 def test_a_target_whose_rows_did_not_run_is_left_out() -> None:
     out = _verdicts([(*EXECUTOR, 2.0, 10.0)])  # no floor row
     assert "executor" not in out
+
+
+def test_fork_cost_benchmark_runs_and_takes_the_time_apart() -> None:
+    result = python(
+        "benchmarks/fork_cost.py", "--rounds", "1", "--batch", "500", cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    parts = ("garbage collector", "hand-off", "submit", "task wrapper", "future, task and call")
+    for part in parts:
+        assert part in result.stdout

@@ -1,0 +1,176 @@
+"""Where the time of a batched fork goes, taken apart in one run.
+
+``fork 10,000 then wait all`` on the thread backend, as in overhead.py, four
+ways; each takes one cost away from the way above it:
+
+1. as it is;
+2. the garbage collector paused: what collecting the held futures costs;
+3. the switch interval raised, so the forking thread keeps the GIL and runs
+   every task itself in ``wait_all``: what handing tasks to a worker costs;
+4. a backend whose ``submit`` does nothing, so ``wait_all`` runs every task in
+   the caller: the same futures, tasks and calls without the pool, so what
+   the pool's queue and budget cost (its ``submit`` shows in the fork loop,
+   its task wrapper in the wait).
+
+The ways take turns, round by round, and each keeps its best round.
+
+    python benchmarks/fork_cost.py [--rounds 15] [--batch 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+from rich.table import Table
+
+import aiopar
+from aiopar.backends import Backend, Task
+
+
+def noop() -> None:
+    pass
+
+
+def ran_on(threads: list[threading.Thread]) -> None:
+    threads.append(threading.current_thread())
+
+
+class NoPool(Backend):
+    """Queues nothing: a waiter runs each task (the pool's work, minus the pool)."""
+
+    name = "no-pool"
+
+    @property
+    def max_workers(self) -> int:
+        return 1
+
+    def submit(self, task: Task) -> None:
+        pass
+
+    def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def as_is() -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
+def gc_paused_forker_keeps_gil() -> Iterator[None]:
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)  # a worker gets the GIL only when this thread blocks
+    try:
+        with gc_paused():
+            yield
+    finally:
+        sys.setswitchinterval(previous)
+        # A worker that began waiting for the GIL meanwhile waits the long
+        # interval before asking for it: a sleep hands it over now.
+        time.sleep(0.05)
+
+
+WAYS: list[tuple[str, str, Callable[[], contextlib.AbstractContextManager[None]]]] = [
+    ("thread", "1. thread backend, as it is", as_is),
+    ("thread", "2. garbage collector paused", gc_paused),
+    ("thread", "3. ... and the forker runs every task", gc_paused_forker_keeps_gil),
+    ("no-pool", "4. ... and no pool: submit does nothing", gc_paused_forker_keeps_gil),
+]
+
+
+def one_round(backend: Backend, batch: int) -> tuple[float, float]:
+    """Seconds per task of the fork loop and of ``wait_all``."""
+    fork = backend.fork
+    start = time.perf_counter()
+    futures = [fork(noop) for _ in range(batch)]
+    forked = time.perf_counter()
+    aiopar.wait_all(futures)
+    done = time.perf_counter()
+    return (forked - start) / batch, (done - forked) / batch
+
+
+def share_run_by_forker(backend: Backend, batch: int) -> float:
+    """The share of a batch's tasks that ran on the thread that forked them
+    (an untimed round: recording the thread costs as much as a task)."""
+    threads: list[threading.Thread] = []
+    aiopar.wait_all([backend.fork(ran_on, threads) for _ in range(batch)])
+    return threads.count(threading.current_thread()) / batch
+
+
+def measure(rounds: int, batch: int) -> list[tuple[str, float, float, float]]:
+    """Per way: its label, the best round's fork and wait seconds per task,
+    and the share of its tasks that ran on the forking thread."""
+    backends: dict[str, Backend] = {"thread": aiopar.get_backend("thread"), "no-pool": NoPool()}
+    best: dict[str, tuple[float, float]] = {}
+    for round_ in range(rounds + 1):  # round 0 warms up: workers started, caches filled
+        for kind, label, conditions in WAYS:
+            with conditions():
+                fork_s, wait_s = one_round(backends[kind], batch)
+            if round_ and fork_s + wait_s < sum(best.get(label, (float("inf"), 0.0))):
+                best[label] = (fork_s, wait_s)
+    rows = []
+    for kind, label, conditions in WAYS:
+        with conditions():
+            rows.append((label, *best[label], share_run_by_forker(backends[kind], batch)))
+    return rows
+
+
+def report(rows: list[tuple[str, float, float, float]], console: Console) -> None:
+    table = Table(title="fork then wait all: µs per task, best round of each way")
+    for column in ("way", "fork", "wait", "total", "taken away", "run by the forker"):
+        table.add_column(column, justify="left" if column == "way" else "right")
+    above = None
+    for label, fork_s, wait_s, ran_here in rows:
+        total = fork_s + wait_s
+        taken = "" if above is None else f"{(above - total) * 1e6:.2f}"
+        table.add_row(
+            label,
+            f"{fork_s * 1e6:.2f}",
+            f"{wait_s * 1e6:.2f}",
+            f"{total * 1e6:.2f}",
+            taken,
+            f"{ran_here:.0%}",
+        )
+        above = total
+    console.print(table)
+    as_is, gc_off, forker_only, no_pool = ((fork_s, wait_s) for _, fork_s, wait_s, _ in rows)
+    whole = sum(as_is)
+
+    def share(name: str, seconds: float) -> None:
+        console.print(f"  {name:<40} {seconds * 1e6:5.2f} µs  {seconds / whole:4.0%}")
+
+    console.print(f"Of {whole * 1e6:.2f} µs per task:")
+    share("the garbage collector (1 - 2)", whole - sum(gc_off))
+    share("the hand-off to a worker (2 - 3)", sum(gc_off) - sum(forker_only))
+    share("the pool's submit (3 - 4, fork)", forker_only[0] - no_pool[0])
+    share("the pool's task wrapper (3 - 4, wait)", forker_only[1] - no_pool[1])
+    share("future, task and call (4)", sum(no_pool))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=10_000)
+    args = parser.parse_args()
+    report(measure(args.rounds, args.batch), Console())
+
+
+if __name__ == "__main__":
+    main()
