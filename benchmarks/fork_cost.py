@@ -88,10 +88,10 @@ def gc_paused_forker_keeps_gil() -> Iterator[None]:
 
 
 WAYS: list[tuple[str, str, Callable[[], contextlib.AbstractContextManager[None]]]] = [
-    ("thread", "1. thread backend, as it is", as_is),
-    ("thread", "2. garbage collector paused", gc_paused),
-    ("thread", "3. ... and the forker runs every task", gc_paused_forker_keeps_gil),
-    ("no-pool", "4. ... and no pool: submit does nothing", gc_paused_forker_keeps_gil),
+    ("thread", "1. thread backend", as_is),
+    ("thread", "2. + GC paused", gc_paused),
+    ("thread", "3. + the forker runs all", gc_paused_forker_keeps_gil),
+    ("no-pool", "4. + no pool", gc_paused_forker_keeps_gil),
 ]
 
 
@@ -134,7 +134,7 @@ def measure(rounds: int, batch: int) -> list[tuple[str, float, float, float]]:
 
 def report(rows: list[tuple[str, float, float, float]], console: Console) -> None:
     table = Table(title="fork then wait all: µs per task, best round of each way")
-    for column in ("way", "fork", "wait", "total", "taken away", "run by the forker"):
+    for column in ("way", "fork", "wait", "total", "taken away", "on the forker"):
         table.add_column(column, justify="left" if column == "way" else "right")
     above = None
     for label, fork_s, wait_s, ran_here in rows:
