@@ -59,11 +59,6 @@ class NoPool(Backend):
 
 
 @contextlib.contextmanager
-def as_is() -> Iterator[None]:
-    yield
-
-
-@contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     gc.collect()
     gc.disable()
@@ -75,20 +70,23 @@ def gc_paused() -> Iterator[None]:
 
 @contextlib.contextmanager
 def gc_paused_forker_keeps_gil() -> Iterator[None]:
+    # A thread already waiting for the GIL asks for it after the interval it
+    # began waiting with: sleeping at each change lets every worker take it,
+    # finish what is queued and go idle, so none runs a task of this way and
+    # none waits the long interval after it.
     previous = sys.getswitchinterval()
     sys.setswitchinterval(60.0)  # a worker gets the GIL only when this thread blocks
+    time.sleep(0.05)
     try:
         with gc_paused():
             yield
     finally:
         sys.setswitchinterval(previous)
-        # A worker that began waiting for the GIL meanwhile waits the long
-        # interval before asking for it: a sleep hands it over now.
         time.sleep(0.05)
 
 
 WAYS: list[tuple[str, str, Callable[[], contextlib.AbstractContextManager[None]]]] = [
-    ("thread", "1. thread backend", as_is),
+    ("thread", "1. thread backend", contextlib.nullcontext),
     ("thread", "2. + GC paused", gc_paused),
     ("thread", "3. + the forker runs all", gc_paused_forker_keeps_gil),
     ("no-pool", "4. + no pool", gc_paused_forker_keeps_gil),
@@ -118,17 +116,16 @@ def measure(rounds: int, batch: int) -> list[tuple[str, float, float, float]]:
     """Per way: its label, the best round's fork and wait seconds per task,
     and the share of its tasks that ran on the forking thread."""
     backends: dict[str, Backend] = {"thread": aiopar.get_backend("thread"), "no-pool": NoPool()}
-    best: dict[str, tuple[float, float]] = {}
-    for round_ in range(rounds + 1):  # round 0 warms up: workers started, caches filled
+    times: dict[str, list[tuple[float, float]]] = {label: [] for _, label, _ in WAYS}
+    for _ in range(rounds + 1):
         for kind, label, conditions in WAYS:
             with conditions():
-                fork_s, wait_s = one_round(backends[kind], batch)
-            if round_ and fork_s + wait_s < sum(best.get(label, (float("inf"), 0.0))):
-                best[label] = (fork_s, wait_s)
+                times[label].append(one_round(backends[kind], batch))
     rows = []
     for kind, label, conditions in WAYS:
+        best = min(times[label][1:], key=sum)  # the first round warms up
         with conditions():
-            rows.append((label, *best[label], share_run_by_forker(backends[kind], batch)))
+            rows.append((label, *best, share_run_by_forker(backends[kind], batch)))
     return rows
 
 
