@@ -1,0 +1,328 @@
+"""The rpc agent of one peer: it knows the peers, calls them, and serves their calls.
+
+The scheduler is the phone book (each peer's name, rank and rpc port). A
+call goes on the :class:`~._link.Link` to its callee, connected on first
+use. The callee runs each call in its worker's thread pool; a call blocked
+in ``wait`` leaves the pool after 0.1 s, and an ``async_execution`` call
+holds no thread while its future is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+import distributed
+from distributed import SpecCluster
+from distributed.core import error_message
+from distributed.worker import _worker_cvar as _worker_context
+
+import aiopar
+from aiopar.backends import set_waiter
+from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
+
+from . import _wire
+from ._link import Link, RpcFuture, Timeouts, fail
+from ._settle import Settler
+from ._worker import Seceder
+
+if TYPE_CHECKING:
+    from ._peer import Peer
+
+__all__ = ["DaskRpcAgent", "close_peer", "polls"]
+
+_CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
+_POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
+
+
+class DaskRpcAgent(RpcAgent):
+    """The rpc agent of one :class:`Peer`."""
+
+    def __init__(self, worker: Peer, rank: int, default_timeout: float) -> None:
+        self._worker = worker
+        self._rank = rank
+        self._default_timeout = default_timeout
+        self._lock = threading.Lock()
+        self._peers: dict[str, tuple[WorkerInfo, str, int]] = {}  # name -> (info, address, port)
+        self._links: dict[str, Link] = {}  # by callee name
+        self._settler = Settler("rpc")
+        self._timeouts = Timeouts()
+        self._listener: _wire.Listener | None = None
+        self._stopped: BaseException | None = None
+        self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
+        self.on_close: Callable[[], None] | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return self._listener.port
+
+    # -- RpcAgent ------------------------------------------------------------------
+
+    @property
+    def worker_info(self) -> WorkerInfo:
+        return WorkerInfo(str(self._worker.name), self._rank)
+
+    @property
+    def default_timeout(self) -> float:
+        return self._default_timeout
+
+    def peer(self, to: str | int) -> WorkerInfo:
+        found = self._lookup(to)
+        if found is None:
+            self._run(self._refresh_peers())
+            found = self._lookup(to)
+        if found is None:
+            listing = ", ".join(f"{info.name} (id {info.id})" for info in self.peers()) or "none"
+            what = f"called {to!r}" if isinstance(to, str) else f"with id {to}"
+            raise ValueError(f"there is no rpc peer {what}; the peers are: {listing}")
+        return found[0]
+
+    def peers(self) -> list[WorkerInfo]:
+        self._run(self._refresh_peers())
+        with self._lock:
+            return sorted((p[0] for p in self._peers.values()), key=lambda info: info.id)
+
+    def call(
+        self,
+        to: WorkerInfo,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+    ) -> aiopar.Future[Any]:
+        if self._stopped is not None:
+            raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
+        try:
+            frames = _wire.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(
+                f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        future = RpcFuture(self._settler)
+        what = _name(fn)
+        try:
+            link = self._link(to.name)
+            link.call(future, what, frames, timeout)
+        except (OSError, aiopar.BrokenWorkerError) as exc:
+            with self._lock:
+                self._peers.pop(to.name, None)  # it may come back elsewhere: look again next time
+            error = aiopar.BrokenWorkerError(
+                f"rpc peer {to.name!r} cannot be reached ({type(exc).__name__}: {exc})"
+            )
+            error.__cause__ = exc
+            fail(future, error)
+        return future
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        deadline = None if not timeout else time.monotonic() + timeout
+        if graceful:
+            self._run(self._leave_together(deadline), timeout=None)
+        self._run(close_peer(self._worker, self.cluster), timeout=None)
+        self._join()
+        if self.on_close is not None:
+            self.on_close()
+
+    # -- the caller's side -------------------------------------------------------------
+
+    def _lookup(self, to: str | int) -> tuple[WorkerInfo, str, int] | None:
+        with self._lock:
+            if isinstance(to, str):
+                return self._peers.get(to)
+            return next((p for p in self._peers.values() if p[0].id == to), None)
+
+    async def _refresh_peers(self) -> None:
+        identity = await self._worker.scheduler.identity(n_workers=-1)
+        peers = {
+            str(w["name"]): (WorkerInfo(str(w["name"]), w["aiopar_rank"]), a, w["aiopar_rpc_port"])
+            for a, w in identity["workers"].items()
+            if "aiopar_rank" in w
+        }
+        with self._lock:
+            self._peers = peers
+
+    def _link(self, name: str) -> Link:
+        """The link to ``name``, connected on first use (in the calling thread)."""
+        with self._lock:
+            link = self._links.get(name)
+        if link is not None:
+            return link
+        found = self._lookup(name)
+        if found is None:
+            self.peer(name)  # refreshes, or raises naming the peers
+            found = self._lookup(name)
+            assert found is not None
+        _, address, port = found
+        host = distributed.comm.get_address_host(address)
+        context = self._worker.connection_args.get("ssl_context")
+        connection = _wire.connect(host, port, _CONNECT_TIMEOUT, context)
+        with self._lock:
+            if self._stopped is not None:
+                connection.close()
+                raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
+            link = self._links.get(name)
+            if link is None:
+                link = self._links[name] = Link(self, name, address, connection)
+                return link
+        connection.close()  # another thread connected first
+        return link
+
+    def _forget_link(self, link: Link) -> None:
+        """A broken link: the next call reconnects, to wherever the peer is then
+        (the nanny of an embedded cluster restarts a dead peer elsewhere)."""
+        with self._lock:
+            if self._links.get(link.name) is link:
+                del self._links[link.name]
+            if self._peers.get(link.name, (None, None, None))[1] == link.address:
+                del self._peers[link.name]
+
+    # -- the callee's side ----------------------------------------------------------------
+
+    def _listen(self, host: str) -> None:
+        context = self._worker.security.get_listen_args("worker").get("ssl_context")
+        self._listener = _wire.Listener(host, context, self._on_call)
+
+    def _on_call(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
+        try:
+            self._worker.executors["default"].submit(self._run_call, connection, call_id, frames)
+        except RuntimeError as exc:  # the worker is closing
+            _reply_error(connection, call_id, exc)
+
+    def _run_call(self, connection: _wire.Connection, call_id: int, frames: Any) -> None:
+        """In a worker thread: run one call and reply (for a Future, once it is done)."""
+        previous = set_waiter(Seceder(is_task=False))
+        # As in a dask task, distributed.get_worker() and get_client() work
+        # here (dask's actors set the same context variable).
+        token = _worker_context.set(self._worker)
+        try:
+            fn, args, kwargs = _wire.loads(frames)
+            del frames
+            result = run_callee(fn, args, kwargs)
+        except BaseException as exc:
+            _reply_error(connection, call_id, exc)
+            return
+        finally:
+            _worker_context.reset(token)
+            set_waiter(previous)
+        if isinstance(result, aiopar.Future):
+            result.add_done_callback(lambda done: _reply_future(connection, call_id, done))
+        else:
+            _reply_value(connection, call_id, result)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def _stop(self, reason: BaseException) -> None:
+        """Stop serving and calling (on the loop: nothing here waits for threads)."""
+        with self._lock:
+            if self._stopped is not None:
+                return
+            self._stopped = reason
+            links = list(self._links.values())
+        if self._listener is not None:
+            self._listener.close(timeout=None)
+        for link in links:
+            link.fail_all(reason)
+        self._timeouts.close()
+        self._settler.close(timeout=0)
+
+    def _join(self) -> None:
+        """Wait for the threads that _stop told to end."""
+        if self._listener is not None:
+            self._listener.close()
+        thread = self._timeouts.close()
+        if thread is not None:
+            thread.join(5)
+        for link in list(self._links.values()):
+            link.reader.join(5)
+        self._settler.close()
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
+        """Run a coroutine on the worker's loop from another thread and return its result."""
+        loop = self._worker.loop.asyncio_loop
+        if _running_loop() is loop:
+            coro.close()
+            raise RuntimeError("a blocking rpc call was made on the peer's event loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    async def _leave_together(self, deadline: float | None) -> None:
+        """Graceful shutdown: this peer's calls finish, then every peer that joined leaves."""
+        while any(link.pending for link in list(self._links.values())):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            await asyncio.sleep(_POLL)
+        scheduler = self._worker.scheduler
+        await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._worker.rpc_token], value=1)
+        async for _ in polls(deadline):
+            identity = await scheduler.identity(n_workers=-1)
+            workers = identity["workers"].values()
+            joined = {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
+            leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
+            if joined <= set(leaving):
+                return
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+
+def _reply_value(connection: _wire.Connection, call_id: int, value: Any) -> None:
+    try:
+        frames = _wire.dumps(value)
+    except Exception as exc:
+        error = TypeError(
+            f"the result ({type(value).__name__}) cannot be sent back: {type(exc).__name__}: {exc}"
+        )
+        _reply_error(connection, call_id, error)
+        return
+    with contextlib.suppress(OSError):  # the caller is gone
+        connection.send(_wire.VALUE, call_id, *frames)
+
+
+def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException) -> None:
+    message = error_message(exc)  # dask's: the exception and traceback, pickled (or as text)
+    traceback = message["traceback"]
+    payload = (message["exception"].data, None if traceback is None else traceback.data)
+    with contextlib.suppress(OSError):
+        connection.send(_wire.ERROR, call_id, *_wire.dumps(payload))
+
+
+def _reply_future(connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]) -> None:
+    try:
+        value = done.value()
+    except BaseException as exc:
+        _reply_error(connection, call_id, exc)
+    else:
+        _reply_value(connection, call_id, value)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{name}()"
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def close_peer(worker: Peer | None, cluster: SpecCluster | None) -> None:
+    if worker is not None:
+        await worker.close(reason="aiopar.rpc.shutdown")
+    if cluster is not None:
+        await cluster.close()
+
+
+async def polls(deadline: float | None) -> AsyncIterator[None]:
+    """Look again at the scheduler until ``deadline``, more and more rarely
+    (from 50 ms to 1 s apart), so a thousand waiting peers do not flood it."""
+    delay = _POLL
+    while deadline is None or time.monotonic() < deadline:
+        yield
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 1.0)

@@ -1,0 +1,313 @@
+"""The engine behind ``aiopar.rpc``: ``init_rpc`` and ``aiopar worker`` start peers here.
+
+``init_rpc`` without a scheduler address starts an embedded cluster (its
+other peers in nannies, everything on loopback); with one, it joins that
+scheduler. Either way this process's :class:`~._peer.Peer` runs on an event
+loop in a thread of its own, and leaves at exit if ``rpc.shutdown()`` was
+not called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Coroutine
+from typing import Any
+
+import distributed
+from distributed import Nanny, Scheduler, Security, SpecCluster
+
+import aiopar
+from aiopar.rpc.agent import RpcBackendOptions, set_current_agent
+
+from ._agent import DaskRpcAgent, close_peer, polls
+from ._cluster import LOOPBACK, protocol_for
+from ._peer import Peer
+
+__all__ = ["rpc_engine"]
+
+_logger = logging.getLogger("aiopar.rpc")
+
+
+def _scheduler_spec(security: Security | None) -> dict[str, Any]:
+    return {
+        "cls": Scheduler,
+        "options": {
+            "host": LOOPBACK,
+            "port": 0,
+            "protocol": protocol_for(security),
+            "dashboard": False,
+            "dashboard_address": f"{LOOPBACK}:0",  # its HTTP server starts regardless
+            "security": security,
+        },
+    }
+
+
+def _peer_options(rank: int, joined: bool, options: RpcBackendOptions) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "joined": joined,
+        "rpc_timeout": options.rpc_timeout,
+        "nthreads": options.num_worker_threads,
+        "security": options.security,
+        "silence_logs": logging.WARN,  # as quiet as a LocalCluster
+    }
+
+
+def _host_towards(address: str) -> str:
+    """The local IP that reaches ``address``: 127.0.0.1 for a loopback scheduler."""
+    from distributed.comm import get_address_host
+    from distributed.utils import get_ip
+
+    return get_ip(get_address_host(address))
+
+
+class _Parts:
+    """What ``init_rpc`` has started so far: stopped again if it fails."""
+
+    def __init__(self) -> None:
+        self.peer: Peer | None = None
+        self.cluster: SpecCluster | None = None
+
+
+async def _start_peer(
+    address: str,
+    name: str,
+    rank: int | None,
+    joined: bool,
+    options: RpcBackendOptions,
+    parts: _Parts | None = None,
+) -> Peer:
+    """Start this process's :class:`Peer` on the scheduler at ``address``.
+
+    Without a rank it takes the smallest one free, under a dask lock so two
+    peers joining at once do not take the same. The peer is noted in
+    ``parts`` as soon as it exists.
+    """
+    kwargs = {**_peer_options(0, joined, options), "name": name, "host": _host_towards(address)}
+
+    def new_peer(rank: int) -> Peer:
+        peer = Peer(address, **{**kwargs, "rank": rank})
+        if parts is not None:
+            parts.peer = peer
+        return peer
+
+    if rank is not None:
+        peer = await _registered(new_peer(rank), name)
+        others = await peer.scheduler.identity(n_workers=-1)
+        clash = [
+            w["name"]
+            for a, w in others["workers"].items()
+            if a != peer.address and w.get("aiopar_rank") == rank
+        ]
+        if clash:
+            await peer.close(reason="rank taken")
+            raise ValueError(
+                f"rank {rank} is taken by rpc peer {clash[0]!r}; give each a rank of its own"
+            )
+        return peer
+    async with (
+        distributed.Client(
+            address, security=options.security, asynchronous=True, set_as_default=False
+        ) as client,
+        distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=client.scheduler, loop=client.loop),
+    ):
+        identity = await client.scheduler.identity(n_workers=-1)
+        taken = {w["aiopar_rank"] for w in identity["workers"].values() if "aiopar_rank" in w}
+        free = min(set(range(len(taken) + 1)) - taken)
+        return await _registered(new_peer(free), name)
+
+
+async def _registered(peer: Peer, name: str) -> Peer:
+    try:
+        return await peer
+    except Exception as exc:
+        if "name taken" in str(exc) or "name taken" in str(exc.__cause__):
+            raise ValueError(
+                f"an rpc peer called {name!r} is in the cluster already; names are unique"
+            ) from None
+        raise
+
+
+async def _start(
+    name: str,
+    rank: int | None,
+    world_size: int | None,
+    options: RpcBackendOptions,
+    parts: _Parts,
+) -> DaskRpcAgent:
+    """Start this process's peer (and the embedded cluster), noting each in
+    ``parts``; the caller stops them if this raises."""
+    address = options.init_method
+    if address is None:
+        rank = 0 if rank is None else rank
+        others = {f"worker{r}": r for r in range(world_size or 1) if r != rank}
+        if name in others:
+            raise ValueError(
+                f"the embedded cluster names its other peers as torch does ({', '.join(others)}); "
+                f"{name!r} is rank {others[name]}'s name: call this peer worker{rank}"
+            )
+        cluster = parts.cluster = SpecCluster(
+            scheduler=_scheduler_spec(options.security),
+            workers={
+                peer_name: {
+                    "cls": Nanny,
+                    "options": {
+                        **_peer_options(peer_rank, False, options),
+                        "name": peer_name,
+                        "worker_class": Peer,
+                        "host": LOOPBACK,
+                    },
+                }
+                for peer_name, peer_rank in others.items()
+            },
+            security=options.security,
+            asynchronous=True,
+            silence_logs=logging.WARN,
+            name="aiopar.rpc",
+        )
+        await cluster
+        address = cluster.scheduler_address
+    peer = await _start_peer(address, name, rank, True, options, parts)
+    agent = peer.rpc_agent
+    agent.cluster = parts.cluster
+    if world_size is not None and options.init_method is not None:
+        await _wait_for_peers(agent, world_size, options.rpc_timeout)
+    return agent
+
+
+async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) -> None:
+    """torch's rendezvous: return once ``world_size`` peers have joined."""
+    names: list[str] = []
+    async for _ in polls(time.monotonic() + timeout if timeout else None):
+        await agent._refresh_peers()
+        names = sorted(agent._peers)
+        if len(names) >= world_size:
+            return
+    raise TimeoutError(
+        f"init_rpc waited {timeout:g} s for {world_size} peers, and only these joined: "
+        f"{', '.join(names)}"
+    )
+
+
+class _LoopThread:
+    """The event loop of this process's peer, in a thread of its own."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="aiopar-rpc-loop")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` on the loop and return its result. If this thread is
+        interrupted (Ctrl-C) meanwhile, ``coro`` is cancelled, and its
+        cleanup has run when the interruption propagates."""
+        task: asyncio.Task[Any] | None = None
+        finished = threading.Event()
+
+        def start() -> None:
+            nonlocal task
+            task = self.loop.create_task(coro)
+            task.add_done_callback(lambda _: finished.set())
+
+        def cancel() -> None:
+            assert task is not None  # start() ran first: the loop runs callbacks in order
+            task.cancel()
+
+        self.loop.call_soon_threadsafe(start)
+        try:
+            finished.wait()
+        except BaseException:
+            self.loop.call_soon_threadsafe(cancel)
+            finished.wait()
+            raise
+        assert task is not None
+        return task.result()
+
+    def stop(self) -> None:
+        # dask resolves host names in the loop's default executor: stop its thread too
+        self.run(self.loop.shutdown_default_executor())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+class _Engine:
+    """What ``aiopar.rpc`` finds under the ``aiopar.rpc_agents`` entry point."""
+
+    def start(
+        self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
+    ) -> DaskRpcAgent:
+        """Make this process the peer ``name`` (``init_rpc``)."""
+        runner = _LoopThread()
+        parts = _Parts()
+        try:
+            agent = runner.run(_start(name, rank, world_size, options, parts))
+        except BaseException:
+            _undo(runner, parts)
+            raise
+        agent.on_close = runner.stop
+        _started.add(agent)
+        return agent
+
+    def serve(
+        self, scheduler: str, name: str, rank: int | None, options: RpcBackendOptions
+    ) -> None:
+        """Run the peer ``name`` on ``scheduler`` in this process until it is
+        interrupted (SIGINT, SIGTERM) or the scheduler goes away."""
+
+        async def main() -> None:
+            peer = await _start_peer(scheduler, name, rank, False, options)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(peer.finished())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            await peer.close(reason="aiopar worker stopped")
+
+        asyncio.run(main())
+
+
+def _undo(runner: _LoopThread, parts: _Parts) -> None:
+    """After a failed start: stop what it started, threads included, and the loop."""
+    try:
+        runner.run(close_peer(parts.peer, parts.cluster))
+        if parts.peer is not None:
+            agent = parts.peer.rpc_agent
+            agent._join()
+            if aiopar.rpc.agent._current is agent:  # Peer.start_unsafe made it current
+                set_current_agent(None)
+    finally:
+        runner.stop()
+
+
+rpc_engine = _Engine()
+
+
+_started: weakref.WeakSet[DaskRpcAgent] = weakref.WeakSet()
+
+
+def _leave_at_exit() -> None:
+    """A peer whose process exits without ``rpc.shutdown()`` leaves anyway,
+    its cluster and worker processes too."""
+    for agent in list(_started):
+        if agent._stopped is None:
+            try:
+                agent.shutdown(graceful=False)
+            except Exception:
+                _logger.exception("closing rpc peer %r at exit", agent.worker_info.name)
+            if aiopar.rpc.agent._current is agent:
+                set_current_agent(None)
+
+
+# Before the thread pools that dask offloads to refuse work (see _backend.py).
+getattr(threading, "_register_atexit", atexit.register)(_leave_at_exit)

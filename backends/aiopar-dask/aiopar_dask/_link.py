@@ -1,0 +1,235 @@
+"""The caller's side of the rpc wire: one :class:`Link` per callee.
+
+A caller keeps one connection to each callee it calls (see ``_wire`` for why
+not a dask comm), writes its calls on it from its own thread, and one thread
+per link reads the replies and settles the calls' futures. :class:`Timeouts`
+fails the calls that have no reply by their deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from distributed.core import clean_exception
+
+import aiopar
+
+from . import _wire
+from ._settle import Settler
+
+if TYPE_CHECKING:
+    from ._agent import DaskRpcAgent
+
+__all__ = ["Link", "RpcFuture", "Timeouts", "fail", "settle_reply"]
+
+_TICK = 0.05  # timeouts are checked this often
+
+# Threads that read connections: a done-callback never runs there (see RpcFuture).
+_wire_thread = threading.local()
+
+
+class RpcFuture(aiopar.Future[Any]):
+    """The future of a call. The thread that reads replies settles it, which
+    wakes ``rpc_sync`` at once; a done-callback that would run in that thread
+    runs in the settler thread instead, since it may block."""
+
+    __slots__ = ("_settler",)
+
+    def __init__(self, settler: Settler) -> None:
+        super().__init__()
+        self._settler = settler
+
+    def add_done_callback(self, fn: Callable[[aiopar.Future[Any]], object]) -> None:
+        settler = self._settler
+
+        def off_the_wire(future: aiopar.Future[Any]) -> None:
+            if getattr(_wire_thread, "active", False):
+                settler.call(fn, future)
+            else:
+                fn(future)
+
+        super().add_done_callback(off_the_wire)
+
+
+class Link:
+    """This peer's connection to one callee, and the calls waiting for its replies."""
+
+    def __init__(self, agent: DaskRpcAgent, name: str, address: str, connection: Any) -> None:
+        self.agent = agent
+        self.name = name
+        self.address = address
+        self.connection: _wire.Connection = connection
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+        # call id -> (future, what was called, its timeout's tick or None)
+        self.pending: dict[int, tuple[aiopar.Future[Any], str, int | None]] = {}
+        self.broken: BaseException | None = None
+        self.reader = threading.Thread(
+            target=self._read, name=f"aiopar-rpc-link-{name}", daemon=True
+        )
+        self.reader.start()
+
+    def call(self, future: aiopar.Future[Any], what: str, frames: Any, timeout: float) -> None:
+        with self.lock:
+            if self.broken is not None:
+                raise aiopar.BrokenWorkerError(str(self.broken)) from self.broken
+            call_id = next(self.ids)
+            # 0, infinity and more than a lock can wait: no limit (aiopar.rpc gives 0 for all)
+            limited = 0 < timeout <= threading.TIMEOUT_MAX
+            tick = self.agent._timeouts.add(timeout, self, call_id) if limited else None
+            self.pending[call_id] = (future, what, tick)
+        try:
+            self.connection.send(_wire.CALL, call_id, *frames)
+        except OSError as exc:
+            self.fail_all(exc)
+
+    def pop(self, call_id: int) -> tuple[aiopar.Future[Any], str] | None:
+        """The call's future and name, unless it was settled already."""
+        with self.lock:
+            entry = self.pending.pop(call_id, None)
+        if entry is None:
+            return None
+        future, what, tick = entry
+        if tick is not None:
+            self.agent._timeouts.discard(tick, self, call_id)
+        return future, what
+
+    def _read(self) -> None:
+        _wire_thread.active = True
+        try:
+            while True:
+                kind, call_id, frames = self.connection.receive()
+                entry = self.pop(call_id)
+                if entry is not None:  # else it timed out already
+                    settle_reply(entry[0], kind, frames, entry[1], self.name)
+        except Exception as exc:
+            self.fail_all(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The connection broke: every pending call fails, naming the peer."""
+        stopped = self.agent._stopped
+        with self.lock:
+            if self.broken is None:
+                self.broken = stopped or self._gone(exc, "")
+            call_ids = list(self.pending)
+        self.agent._forget_link(self)
+        self.connection.close()
+        for call_id in call_ids:
+            entry = self.pop(call_id)
+            if entry is None:
+                continue
+            future, what = entry
+            if stopped is not None:
+                error: BaseException = RuntimeError(
+                    f"the call of {what} to {self.name!r} was pending when this peer shut down"
+                )
+            else:
+                error = self._gone(exc, f" while the call of {what} was pending")
+            error.__cause__ = exc
+            fail(future, error)
+
+    def _gone(self, exc: BaseException, during: str) -> aiopar.BrokenWorkerError:
+        return aiopar.BrokenWorkerError(
+            f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it broke"
+            f"{during} ({type(exc).__name__}: {exc})"
+        )
+
+
+class Timeouts:
+    """Deadlines of pending calls, checked every ``_TICK`` s by one thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # tick -> the calls due then: (link, call id) -> timeout
+        self._ticks: dict[int, dict[tuple[Link, int], float]] = {}
+        self._heap: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, timeout: float, link: Link, call_id: int) -> int:
+        """Fail the call after ``timeout`` s unless discarded first; return its tick."""
+        tick = int((time.monotonic() + timeout) / _TICK) + 1
+        with self._lock:
+            due = self._ticks.get(tick)
+            if due is None:
+                due = self._ticks[tick] = {}
+                heapq.heappush(self._heap, tick)
+                if self._heap[0] == tick:
+                    self._wake.notify()
+            due[(link, call_id)] = timeout
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="aiopar-rpc-timeouts")
+                self._thread.daemon = True
+                self._thread.start()
+        return tick
+
+    def discard(self, tick: int, link: Link, call_id: int) -> None:
+        with self._lock:
+            due = self._ticks.get(tick)
+            if due is not None:
+                due.pop((link, call_id), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    if self._heap and self._heap[0] * _TICK <= now:
+                        due = self._ticks.pop(heapq.heappop(self._heap))
+                        break
+                    self._wake.wait(self._heap[0] * _TICK - now if self._heap else None)
+            for (link, call_id), timeout in due.items():
+                with link.lock:
+                    entry = link.pending.pop(call_id, None)
+                if entry is not None:
+                    future, what, _ = entry
+                    error = TimeoutError(
+                        f"the call of {what} to rpc peer {link.name!r} had no reply after "
+                        f"{timeout:g} s (pass timeout= to the call, or rpc_timeout to "
+                        f"init_rpc's options)"
+                    )
+                    fail(future, error)
+
+    def close(self) -> threading.Thread | None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+            return self._thread
+
+
+def settle_reply(future: aiopar.Future[Any], kind: int, frames: Any, what: str, peer: str) -> None:
+    """Unpickle a reply and settle its future."""
+    try:
+        payload = _wire.loads(frames)
+    except Exception as exc:
+        error = TypeError(
+            f"the result of {what} came back from rpc peer {peer!r} but cannot be unpickled "
+            f"here ({type(exc).__name__}: {exc}); is its class importable in this process?"
+        )
+        error.__cause__ = exc
+        fail(future, error)
+        return
+    if kind == _wire.VALUE:
+        with contextlib.suppress(aiopar.InvalidStateError):  # cancelled meanwhile
+            future.set_result(payload)
+        return
+    _, exc, tb = clean_exception(*payload)
+    assert exc is not None
+    if tb is not None:
+        exc = exc.with_traceback(tb)
+    exc.add_note(f"(raised by {what} on rpc peer {peer!r})")
+    fail(future, exc)
+
+
+def fail(future: aiopar.Future[Any], error: BaseException) -> None:
+    with contextlib.suppress(aiopar.InvalidStateError):
+        future.set_exception(error)
