@@ -342,7 +342,7 @@ def test_an_idle_worker_that_dies_is_replaced(own_pool):
     backend = own_pool(1)
     pid = backend.fork(os.getpid).wait()
     os.kill(pid, signal.SIGKILL)
-    time.sleep(0.2)
+    _eventually(lambda: all(worker.pid != pid for worker in backend._workers))
     assert backend.fork(os.getpid).wait(timeout=30) != pid
 
 
@@ -453,9 +453,15 @@ def test_shutdown_without_wait_finishes_in_the_background(own_pool):
 
 
 def test_shutdown_of_an_unused_backend():
+    threads_before = set(threading.enumerate())
     backend = ProcessBackend(1)
     backend.shutdown()
-    backend.shutdown()
+    backend.shutdown()  # again: does nothing
+    assert backend.closed
+    assert backend._workers == []
+    assert set(threading.enumerate()) <= threads_before  # no manager left behind
+    with pytest.raises(RuntimeError, match="shut down"):
+        backend.fork(add, 1)
 
 
 def test_interpreter_exit_with_pending_work(tmp_path):

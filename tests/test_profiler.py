@@ -61,7 +61,7 @@ def test_records_a_task_on_the_thread_backend(thread_backend):
     assert record.finished
     assert record.fork_ns <= record.start_ns <= record.end_ns
     assert record.duration_ns >= 1_000_000  # it slept 2 ms
-    assert record.queue_delay_ns >= 0
+    assert 0 < record.queue_delay_ns == record.start_ns - record.fork_ns
     assert record.worker.pid == os.getpid()
     assert record.forker.name == threading.current_thread().name
     assert record.parent is None
@@ -78,8 +78,6 @@ def test_records_inline_tasks_in_the_caller():
 
 @pytest.mark.parametrize("backend", ["openmp", "process"])
 def test_records_tasks_on_other_backends(backend):
-    if backend not in aiopar.available_backends():
-        pytest.skip(f"the {backend!r} backend is not available")
     with aiopar.use_backend(backend), profile() as prof:
         assert aiopar.wait_all([aiopar.fork(leaf, i) for i in range(3)]) == [0, 1, 2]
     records = by_name(prof, "leaf")
@@ -205,7 +203,7 @@ def check_trace_schema(trace: dict) -> None:
         assert isinstance(e["name"], str)
         for key in ("ts", "dur", "pid", "tid"):
             assert isinstance(e[key], int | float), (key, e)
-        assert e["dur"] >= 0
+        assert e["dur"] > 0, e  # every slice is something that took time
     flows = [e for e in events if e["ph"] in ("s", "f")]
     starts = {e["id"]: e for e in flows if e["ph"] == "s"}
     finishes = {e["id"]: e for e in flows if e["ph"] == "f"}
