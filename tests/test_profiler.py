@@ -553,20 +553,20 @@ def test_a_worker_records_nothing_unless_its_parent_profiles():
     from aiopar.backends.process import ProcessBackend
 
     # Local functions travel by value: the worker imports neither this
-    # module nor, through it, the profiler.
+    # module nor, through it, the recorder.
     def forks_two() -> int:
         return sum(aiopar.wait_all([aiopar.fork(abs, -i) for i in range(2)]))
 
-    def profiler_loaded() -> bool:
-        return "aiopar.profiler" in sys.modules
+    def recorder_loaded() -> bool:
+        return "aiopar._recorder" in sys.modules
 
     with ProcessBackend(max_workers=1) as fresh:
         assert fresh.fork(forks_two).wait() == 1
-        assert fresh.fork(profiler_loaded).wait() is False
+        assert fresh.fork(recorder_loaded).wait() is False
         with profile() as prof:
             assert fresh.fork(forks_two).wait() == 1
         assert [r.name for r in prof.records].count("abs") == 2
-        assert fresh.fork(profiler_loaded).wait() is True
+        assert fresh.fork(recorder_loaded).wait() is True
         with profile() as prof:
             assert fresh.fork(int, "7").wait() == 7  # forks nothing: no report
         assert [r.name for r in prof.records] == ["int"]
