@@ -288,7 +288,8 @@ def run_demo(args: argparse.Namespace) -> int:
             warm_up=time.perf_counter() - start,
         )
         progress.update(bar, description="GEMM peak, again")
-        peak = max(peak, m.gemm_peak())  # the machine may have calmed down
+        peaks = [peak, m.gemm_peak()]
+        peak = max(peaks)  # the machine may have calmed down
         if args.trace is not None:
             progress.update(bar, description="a traced models-forked run")
             with profiler.profile() as prof:
@@ -306,7 +307,10 @@ def run_demo(args: argparse.Namespace) -> int:
     forked = {row.name: row.speedup() for row in rows if row.anchor is sequential}
     out.print(m.verdict(forked), style="bold")
     blas = m.Spread.paired(single.times, sequential.times)
-    out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models))
+    speedups = [s for s in (row.speedup() for row in rows) if s is not None]
+    of_peak = [flops / min(row.times) / peak for row in rows]
+    busy = m.busy_signs(speedups, cores, peaks, of_peak)
+    out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models, busy=busy))
     if prof is not None:
         try:
             prof.export_chrome_trace(args.trace)
