@@ -28,8 +28,9 @@ from helpers import python
 
 import aiopar
 from aiopar import _trace
+from aiopar.backends import _process_handle
 from aiopar.backends import _process_wire as wire
-from aiopar.backends import process
+from aiopar.backends._process_dispatch import prefetch_depth
 from aiopar.backends.process import ProcessBackend, RemoteError, RemoteTraceback
 
 # -- fixtures ----------------------------------------------------------------
@@ -347,7 +348,7 @@ def test_an_idle_worker_that_dies_is_replaced(own_pool):
 
 
 def test_workers_that_cannot_start_fail_the_queue(own_pool, monkeypatch):
-    monkeypatch.setattr(process, "_BOOT", "import sys; sys.exit(7)")
+    monkeypatch.setattr(_process_handle, "BOOT", "import sys; sys.exit(7)")
     backend = own_pool(1)
     with pytest.raises(aiopar.BrokenWorkerError, match="before they were ready"):
         backend.fork(add, 1).wait(timeout=30)
@@ -632,9 +633,9 @@ def test_classes_from_main_come_back_as_themselves(pool):
 def test_prefetch_adapts_to_task_length(own_pool):
     backend = own_pool(1)
     aiopar.wait_all([backend.fork(add, i) for i in range(200)])
-    assert backend._prefetch_depth() > 4  # tiny tasks: several queued per worker
+    assert prefetch_depth(backend) > 4  # tiny tasks: several queued per worker
     aiopar.wait_all([backend.fork(sleep_then, 0.01, i) for i in range(30)])
-    assert backend._prefetch_depth() == 1  # 10 ms tasks: one
+    assert prefetch_depth(backend) == 1  # 10 ms tasks: one
 
 
 def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
@@ -778,14 +779,15 @@ def test_exit_after_an_uncaught_keyboard_interrupt_cancels_the_queue(tmp_path):
 
 def test_exit_still_runs_the_queue_while_tasks_finish(tmp_path):
     # No task takes the grace period, so all of them run although together
-    # they take longer.
+    # they take longer. The worker is up first: its start is no task.
     done = _run_script(
         tmp_path,
         """
         import time, aiopar
 
-        backend = aiopar.get_backend("process", max_workers=1, grace=0.3)
-        futures = [backend.fork(time.sleep, 0.1) for _ in range(8)]
+        backend = aiopar.get_backend("process", max_workers=1, grace=1.0)
+        backend.fork(int).wait()
+        futures = [backend.fork(time.sleep, 0.1) for _ in range(15)]
         futures[-1].add_done_callback(lambda f: print("last:", f.exception(), flush=True))
         """,
     )

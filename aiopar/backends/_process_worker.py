@@ -39,8 +39,7 @@ def main(fd: int, parent_pid: int) -> None:
     from .. import _config
     from . import process
 
-    process._in_worker = True
-    _config.set_backend("thread")
+    process.in_worker_backend = _config.set_backend("thread")
 
     pool = wire.SegmentPool()
     released: deque[int] = deque()  # parent segments this process no longer maps
