@@ -1,4 +1,5 @@
-"""The seam between the task machinery and :mod:`aiopar.profiler`.
+"""The seam between the task machinery and the recorder (:mod:`aiopar._recorder`,
+reported on by :mod:`aiopar.profiler`).
 
 ``active`` is ``None`` unless a profiler is recording; every hook site checks
 that one attribute and does nothing else when it is ``None``, so tracing off
@@ -16,9 +17,9 @@ costs one check per task (or coroutine fork). A recorder implements:
 ``record.on_remote_forks(report)``
     called right after ``on_remote_run`` when the task forked work in its
     worker process. A backend asks its worker for that only for a task
-    with a record; there, ``aiopar.profiler._InWorker()`` starts recording
-    before the task runs and its ``report()`` (plain data, or None when
-    nothing was forked) stops after it.
+    with a record; there, :func:`capture_forks` starts recording before the
+    task runs and its ``report()`` (plain data, or None when nothing was
+    forked) stops after it.
 ``on_fork_coroutine(fn) -> record``
     called in the forking thread when a coroutine function is forked onto an
     event loop; the runner then awaits ``record.run_in_steps(fn, args,
@@ -43,3 +44,12 @@ active: Any = None
 
 #: nanoseconds on the clock every trace timestamp uses, in every process
 clock = time.perf_counter_ns
+
+
+def capture_forks() -> Any:
+    """In a worker process, for a task its parent's profiler records: start
+    recording every fork made in this process; ``.report()`` stops and
+    returns what was recorded, as plain data (None if nothing was)."""
+    from ._recorder import WorkerCapture  # loaded only in a worker whose parent profiles
+
+    return WorkerCapture()

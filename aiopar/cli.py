@@ -288,7 +288,8 @@ def run_demo(args: argparse.Namespace) -> int:
             warm_up=time.perf_counter() - start,
         )
         progress.update(bar, description="GEMM peak, again")
-        peak = max(peak, m.gemm_peak())  # the machine may have calmed down
+        peaks = [peak, m.gemm_peak()]
+        peak = max(peaks)  # the machine may have calmed down
         if args.trace is not None:
             progress.update(bar, description="a traced models-forked run")
             with profiler.profile() as prof:
@@ -306,7 +307,10 @@ def run_demo(args: argparse.Namespace) -> int:
     forked = {row.name: row.speedup() for row in rows if row.anchor is sequential}
     out.print(m.verdict(forked), style="bold")
     blas = m.Spread.paired(single.times, sequential.times)
-    out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models))
+    speedups = [s for s in (row.speedup() for row in rows) if s is not None]
+    of_peak = [flops / min(row.times) / peak for row in rows]
+    busy = m.busy_signs(speedups, cores, peaks, of_peak)
+    out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models, busy=busy))
     if prof is not None:
         try:
             prof.export_chrome_trace(args.trace)
@@ -479,6 +483,47 @@ def _demo_table(
 #: suites run first, in this order; any other benchmarks/*.py follow by name
 SUITE_ORDER = ("overhead", "threads", "process", "lstm")
 
+#: seconds each suite took at its default rounds, measured in one `aiopar bench`
+#: run on 2 cores shared with other work (the whole run: about 10 minutes)
+SUITE_SECONDS = {"overhead": 30, "threads": 250, "process": 25, "lstm": 285, "fork_cost": 8}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def bench_plan(chosen: Sequence[str], suite_args: Sequence[str]) -> str:
+    """What `aiopar bench` is about to run and how long it takes, from SUITE_SECONDS."""
+    known = [name for name in chosen if name in SUITE_SECONDS]
+    total = sum(SUITE_SECONDS[name] for name in known)
+    parts = ", ".join(f"{name} ~{_duration(SUITE_SECONDS[name])}" for name in known)
+    plan = f"Running {len(chosen)} suite{'s' if len(chosen) != 1 else ''}: {', '.join(chosen)}."
+    if known:
+        plan += f" On 2 cores at their default rounds they took about {_duration(total)} ({parts})"
+        unknown = len(chosen) - len(known)
+        plan += f", plus {unknown} not timed yet." if unknown else "."
+    if "--rounds" in suite_args:
+        plan += " --rounds changes that: each suite's time grows with its rounds."
+    else:
+        plan += " Fewer rounds take less: aiopar bench -- --rounds 1."
+    return plan
+
+
+def _suites_found() -> str:
+    """The suites `aiopar bench` would run from here, for its --help."""
+    try:
+        directory = _benchmarks_dir(None)
+    except UsageError:
+        return "none found: no benchmarks/ directory here or next to the package"
+    names = _suite_order({p.stem: p for p in directory.glob("*.py") if not p.name.startswith("_")})
+    timed = [f"{n} (~{_duration(SUITE_SECONDS[n])})" if n in SUITE_SECONDS else n for n in names]
+    return ", ".join(timed) or f"none in {directory}"
+
+
+def _suite_order(found: dict[str, Path]) -> list[str]:
+    order = [name for name in SUITE_ORDER if name in found]
+    return order + sorted(set(found) - set(order))
+
 
 def _benchmarks_dir(given: Path | None) -> Path:
     if given is not None:
@@ -502,9 +547,17 @@ def _add_bench(commands: Any) -> None:
         "bench",
         help="run the benchmark suites in benchmarks/",
         description="Run benchmark suites (each a script in benchmarks/) one after another "
-        "with this Python, showing their tables. Arguments after '--' go to every suite.",
+        "with this Python, showing their tables. Arguments after '--' go to every suite "
+        "('-- --rounds 1' for a quicker run). All of them take about "
+        f"{_duration(sum(SUITE_SECONDS.values()))} on 2 cores; it says so before it starts.",
     )
-    bench.add_argument("suites", nargs="*", metavar="SUITE", help="suite names (default: all)")
+    bench.add_argument(
+        "suites",
+        nargs="*",
+        metavar="SUITE",
+        help=f"suite names (default: all). Suites here, with their time at default "
+        f"rounds on 2 cores: {_suites_found()}",
+    )
     bench.add_argument(
         "--dir",
         type=Path,
@@ -519,8 +572,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     directory = _benchmarks_dir(args.dir)
     found = {p.stem: p for p in directory.glob("*.py") if not p.name.startswith("_")}
-    order = [name for name in SUITE_ORDER if name in found]
-    order += sorted(set(found) - set(order))
+    order = _suite_order(found)
     for name in args.suites:
         if name.removesuffix(".py") not in found:
             raise UsageError(
@@ -532,6 +584,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"aiopar bench: {directory} holds no benchmark suites")
 
     out = _console()
+    out.print(bench_plan(chosen, args.suite_args))
     summary = Table(title="benchmark suites", title_justify="left")
     summary.add_column("suite")
     summary.add_column("result")

@@ -38,6 +38,7 @@ from aiopar.nn._measure import (
     Row,
     Spread,
     available_cores,
+    busy_signs,
     ensemble_flops,
     ensemble_run,
     explain,
@@ -242,7 +243,12 @@ def main() -> None:
         console.print(verdict(torch_forked, anchor="TorchScript sequential"))
     interop = next(r for r in rows if r.anchor is single and "models" in r.name)
     blas = Spread.paired(single.times, sequential.times)
-    console.print(explain(interop.speedup(), blas, available_cores(), tasks=2 * n_models))
+    speedups = [spread for spread in (r.speedup() for r in rows) if spread is not None]
+    of_peak = [flops / min(r.times) / peak for r in rows]
+    busy = busy_signs(speedups, available_cores(), peaks, of_peak)
+    console.print(
+        explain(interop.speedup(), blas, available_cores(), tasks=2 * n_models, busy=busy)
+    )
 
     blas_libraries = ", ".join(
         f"{i['internal_api']} {i['version']} ({i['num_threads']} threads)"

@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 from helpers import python
 
 import aiopar
+from aiopar import cli
 from aiopar.cli import (
     DEMO_SIZES,
     ROUND_SECONDS,
@@ -220,6 +222,31 @@ def test_bench_reports_a_failing_suite(suites, capfd):
     assert "overhead table" in out
     assert "failed (exit 3)" in out
     assert "not a suite" not in out
+
+
+def test_bench_says_how_long_it_takes_before_it_starts(suites, capfd):
+    assert main(["bench", "overhead", "--dir", str(suites)]) == 0
+    out = capfd.readouterr().out
+    assert out.index("Running 1 suite: overhead.") < out.index("overhead table")
+
+
+def test_bench_plan_adds_up_the_suites_times(monkeypatch):
+    monkeypatch.setattr(cli, "SUITE_SECONDS", {"a": 30, "b": 150})
+    assert cli.bench_plan(["a", "b"], []) == (
+        "Running 2 suites: a, b. On 2 cores at their default rounds they took about 3 min "
+        "(a ~30 s, b ~2 min). Fewer rounds take less: aiopar bench -- --rounds 1."
+    )
+    plan = cli.bench_plan(["a", "new"], ["--rounds", "2"])
+    assert "about 30 s (a ~30 s), plus 1 not timed yet." in plan
+    assert "--rounds changes that" in plan
+
+
+def test_bench_help_lists_the_suites_and_their_time(capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # a checkout: ./benchmarks
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "overhead (~30 s), threads (~4 min), process (~25 s), lstm (~5 min)" in out
+    assert "about 10 min on 2 cores" in out
 
 
 def test_bench_unknown_suite_or_dir(suites, tmp_path, capsys):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 
 import anyio
 import numpy as np
 import pytest
+from helpers import run_python
 
 import aiopar
 from aiopar.nn import BidirectionalRecurrentLSTM, LSTMEnsemble
+from aiopar.nn.ensemble import _wait_every
 
 T, B, C = 6, 3, 5
 FORK_VARIANTS = [(False, False), (False, True), (True, False), (True, True)]
@@ -122,6 +125,40 @@ def test_forked_errors_reach_the_caller() -> None:
     ens = LSTMEnsemble(2, C, 4, fork_models=True)
     with pytest.raises(ValueError, match="input_size=5"):
         ens(uniform01(T, B, C + 1))
+
+
+@pytest.mark.parametrize("fork_models", [True, False])
+def test_a_wrong_input_leaves_stderr_clean(fork_models) -> None:
+    # Once the ValueError, and no "nobody retrieved its exception" for the siblings.
+    done = run_python(
+        f"""
+        import gc
+        import numpy as np
+        from aiopar.nn import LSTMEnsemble
+        ens = LSTMEnsemble(4, 8, 16, fork_models={fork_models})
+        try:
+            ens(np.zeros((5, 2, 9), np.float32))
+        except ValueError as error:
+            print(error)
+        gc.collect()
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "input_size=8" in done.stdout
+    assert done.stderr == ""
+
+
+def test_wait_every_waits_for_all_and_retrieves_every_failure(caplog) -> None:
+    def fail(n: int) -> int:
+        raise ValueError(f"failure {n}")
+
+    futures = [aiopar.fork(fail, 0), aiopar.fork(lambda: 1), aiopar.fork(fail, 2)]
+    with pytest.raises(ValueError, match="failure 0"):
+        _wait_every(futures)
+    assert all(future.done() for future in futures)
+    del futures
+    gc.collect()
+    assert "nobody retrieved" not in caplog.text
 
 
 @pytest.mark.anyio

@@ -10,6 +10,7 @@ from aiopar.nn import LSTMEnsemble
 from aiopar.nn._measure import (
     Row,
     Spread,
+    busy_signs,
     ensemble_flops,
     ensemble_run,
     explain,
@@ -65,9 +66,14 @@ def test_verdict_names_the_winner_and_by_how_much():
     assert "faster in all 3 rounds: 1.40\N{EN DASH}1.60x" in line
 
 
-def test_verdict_prefers_a_steady_win_to_a_higher_median_within_noise():
+def test_verdict_follows_the_medians():
+    # a's median is higher than b's steady win: the verdict names a, and as
+    # a's lost round makes it no clear win, calls the run level.
     line = verdict({"a": spread(2.0, 0.9, 2.0), "b": spread(1.1, 1.2, 1.15)})
-    assert line.startswith("Verdict: b won, 1.15x")
+    assert line.startswith("Verdict: level within noise; the fastest other variant, a, ")
+    assert "faster in only 2 of 3 rounds" in line
+    line = verdict({"a": spread(1.1, 1.2, 1.15), "b": spread(1.3, 0.99, 1.4)})
+    assert line.startswith("Verdict: level within noise; the fastest other variant, b, ")
 
 
 def test_verdict_says_sequential_won_only_if_every_variant_lost_every_round():
@@ -120,6 +126,42 @@ def test_explain_when_blas_threads_gained_little_or_lost():
     line = explain(spread(1.9, 1.85, 1.95), spread(0.6, 0.7, 0.9), cores=2, tasks=8)
     assert "but sequential ran only 0.70x as fast with its default BLAS threads" in line
     assert "the forked rows look better than the cores allow" in line
+
+
+def test_busy_signs_find_nothing_in_a_quiet_run():
+    speedups = [spread(1.8, 1.9, 1.85), spread(0.95, 1.02, 1.0)]
+    assert busy_signs(speedups, cores=2, peaks=[100e9, 115e9], of_peak=[0.4, 0.9]) == []
+
+
+def test_busy_signs_a_speed_up_beyond_the_cores():
+    # the reported run: ranges up to 5.40x and 8.58x on 2 cores
+    signs = busy_signs(
+        [spread(1.2, 5.4, 1.9), spread(1.5, 8.58, 2.0)], cores=2, peaks=[100e9], of_peak=[]
+    )
+    assert signs == ["a speed-up of 8.58x on 2 cores"]
+
+
+def test_busy_signs_a_peak_that_moved_by_more_than_a_fifth():
+    assert busy_signs([], cores=2, peaks=[100e9, 119e9], of_peak=[]) == []
+    assert busy_signs([], cores=2, peaks=[195e9, 88e9], of_peak=[]) == [
+        "the GEMM peak measured 195 then 88 GFLOP/s"
+    ]
+
+
+def test_busy_signs_a_row_above_the_peak():
+    assert busy_signs([], cores=2, peaks=[100e9], of_peak=[0.5, 1.31]) == [
+        "a row at 131% of that peak"
+    ]
+
+
+def test_explain_says_the_machine_was_busy_before_anything_else():
+    busy = ["a speed-up of 8.58x on 2 cores", "the GEMM peak measured 195 then 88 GFLOP/s"]
+    line = explain(spread(1.9, 1.85, 1.95), spread(1.5, 1.5, 1.5), cores=2, tasks=8, busy=busy)
+    assert line == (
+        "Why: the machine was busy while this ran (a speed-up of 8.58x on 2 cores; the GEMM "
+        "peak measured 195 then 88 GFLOP/s), so these figures are not to be trusted; run it "
+        "again when the machine is idle."
+    )
 
 
 def test_explain_on_one_core():

@@ -13,6 +13,7 @@ from threadpoolctl import threadpool_info
 import aiopar
 from aiopar._budget import budget, cores
 from aiopar.backends.openmp import OpenMPBackend
+from aiopar.nn import LSTMEnsemble
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
 
@@ -89,8 +90,7 @@ def test_results_match_the_thread_backend(lane):
 
 
 def test_the_lstm_ensemble_gives_the_same_output():
-    nn = pytest.importorskip("aiopar.nn")
-    ens = nn.LSTMEnsemble(3, 16, 16, seed=0)
+    ens = LSTMEnsemble(3, 16, 16, seed=0)
     x = np.random.default_rng(1).standard_normal((5, 2, 16), dtype=np.float32)
     with aiopar.use_backend("thread"):
         expected = ens(x)

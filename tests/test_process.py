@@ -1,4 +1,5 @@
-"""The "process" backend: any callable, zero-copy numpy, crash-safe workers.
+"""The "process" backend: any callable, zero-copy numpy, errors, the core's
+guarantees on it, callbacks, import paths and payloads.
 
 Whatever could hang (exit, shutdown, signals, fork) runs in a subprocess with
 a timeout, so a regression fails instead of stalling the suite.
@@ -7,212 +8,43 @@ a timeout, so a regression fails instead of stalling the suite.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import gc
 import logging
-import multiprocessing
 import os
 import signal
-import socket
-import subprocess
 import sys
 import textwrap
 import threading
-import time
 import weakref
 
 import numpy as np
+import process_helpers
 import pytest
-from helpers import python
+from process_helpers import (
+    Scaler,
+    add,
+    double,
+    echo,
+    eventually,
+    explicit_process_fork,
+    fail_deep,
+    nested_fork,
+    raise_unpicklable,
+    return_lock,
+    sleep_then,
+    sleep_then_die,
+)
 
 import aiopar
 from aiopar import _trace
-from aiopar.backends import _process_wire as wire
-from aiopar.backends import process
+from aiopar.backends._process_dispatch import prefetch_depth
 from aiopar.backends.process import ProcessBackend, RemoteError, RemoteTraceback
 
-# -- fixtures ----------------------------------------------------------------
-
-
-def _child_pids() -> set[int]:
-    """Live (not yet reaped) child processes of this process."""
-    me = str(os.getpid())
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:  # fields: state, ppid, ...
-            children.add(int(entry))
-    return children
-
-
-def _shared_memory() -> set[str]:
-    # Semaphores are left out: aiopar makes none, and other programs on the
-    # machine (multiprocessing's locks) come and go meanwhile.
-    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    """Every test leaves /dev/shm, the process table and the threads as it found them."""
-    shm_before = _shared_memory()
-    children_before = _child_pids()
-    threads_before = set(threading.enumerate())
-    yield
-    assert _shared_memory() - shm_before == set()
-    assert not multiprocessing.active_children()
-    deadline = time.monotonic() + 5
-    while _child_pids() - children_before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _child_pids() - children_before == set()
-    leaked = [
-        t for t in threading.enumerate() if t not in threads_before and t.name.startswith("aiopar-")
-    ]
-    for thread in leaked:
-        thread.join(timeout=5)
-    assert not [t for t in leaked if t.is_alive()]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """A two-worker pool shared by the tests that do not break or stop it."""
-    backend = ProcessBackend(2)
-    # Start both workers now, so no test sees them as processes it started.
-    aiopar.wait_all([backend.fork(sleep_then, 0.2, None) for _ in range(2)])
-    yield backend
-    backend.shutdown()
-
-
-@pytest.fixture
-def own_pool():
-    """A one-worker pool of the test's own (to kill, cancel or shut down)."""
-    backends = []
-
-    def make(max_workers: int = 1, **options) -> ProcessBackend:
-        backend = ProcessBackend(max_workers, **options)
-        backends.append(backend)
-        return backend
-
-    yield make
-    for backend in backends:
-        backend.shutdown(cancel_pending=True)
-
-
-def _eventually(predicate, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
-def _script_env() -> dict[str, str]:
-    """The environment for a script that imports what this process does."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-
-
-def _run_script(tmp_path, source: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(source))
-    return python(str(script), timeout=timeout, env=_script_env(), cwd=tmp_path)
-
-
-def _exited(pid: int) -> bool:
-    """Whether ``pid`` is gone or a zombie (its new parent may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-# -- helpers that run in workers ---------------------------------------------
-
-
-def add(a, b=0):
-    return a + b
-
-
-def pid_and_backend():
-    return os.getpid(), aiopar.get_backend().name
-
-
-def nested_fork():
-    inner = aiopar.fork(pid_and_backend)
-    return os.getpid(), inner.wait()
-
-
-def explicit_process_fork():
-    # Even asking for the process backend inside a worker stays in the worker.
-    return aiopar.get_backend("process").fork(os.getpid).wait()
-
-
-def kill_self(sig: int = signal.SIGKILL):
-    os.kill(os.getpid(), sig)
-    time.sleep(10)
-
-
-def sleep_then_die(seconds: float):
-    time.sleep(seconds)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def exit_now(code: int):
-    os._exit(code)
-
-
-def segfault():
-    ctypes.string_at(0)
-
-
-def sleep_then(seconds: float, value):
-    time.sleep(seconds)
-    return value
-
-
-def fail_deep():
-    def inner_helper():
-        raise ValueError("the task failed on purpose")
-
-    inner_helper()
-
-
-def return_lock():
-    return threading.Lock()
-
-
-class Unpicklable(Exception):
-    def __init__(self, message):
-        super().__init__(message)
-        self.lock = threading.Lock()
-
-
-def raise_unpicklable():
-    raise Unpicklable("carries a lock")
-
-
-def double(a):
-    return a * 2
-
-
-def echo(a):
-    return a
-
-
-class Scaler:
-    def __init__(self, factor):
-        self.factor = factor
-
-    def scale(self, x):
-        return x * self.factor
-
-    def __call__(self, x):
-        return x * self.factor
+# The shared fixtures; nothing_left_behind checks every test (autouse).
+nothing_left_behind = process_helpers.nothing_left_behind
+pool = process_helpers.pool
+own_pool = process_helpers.own_pool
 
 
 # -- registry and basic forks ----------------------------------------------------
@@ -295,64 +127,6 @@ def test_small_and_odd_arrays(pool):
     assert pool.fork(bytes, bytearray(b"x" * 200_000)).wait() == b"x" * 200_000
 
 
-# -- crashes ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("fn", "args", "words"),
-    [
-        (kill_self, (), "SIGKILL"),
-        (exit_now, (3,), "exited with code 3"),
-        (segfault, (), "SIGSEGV"),
-    ],
-    ids=["sigkill", "os_exit", "segfault"],
-)
-def test_a_dying_worker_fails_only_its_task(own_pool, fn, args, words):
-    backend = own_pool(1)  # one worker: the queued tasks sit behind the dying one
-    doomed = backend.fork(fn, *args)
-    queued = [backend.fork(add, i, 1) for i in range(4)]
-    with pytest.raises(aiopar.BrokenWorkerError, match=words) as info:
-        doomed.wait(timeout=30)
-    assert fn.__name__ in str(info.value)
-    assert [f.wait(timeout=30) for f in queued] == [1, 2, 3, 4]
-    assert backend.fork(add, 1, 1).wait() == 2  # replaced
-
-
-def test_sigkill_from_outside_while_running(own_pool, tmp_path):
-    backend = own_pool(1)
-    marker = tmp_path / "pid"
-    fut = backend.fork(_write_pid_and_sleep, str(marker))
-    deadline = time.monotonic() + 30
-    while not marker.exists() or not marker.read_text():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    os.kill(int(marker.read_text()), signal.SIGKILL)
-    with pytest.raises(aiopar.BrokenWorkerError, match="SIGKILL"):
-        fut.wait(timeout=30)
-    assert backend.fork(add, 2, 2).wait() == 4
-
-
-def _write_pid_and_sleep(path):
-    with open(path, "w") as f:
-        f.write(str(os.getpid()))
-    time.sleep(30)
-
-
-def test_an_idle_worker_that_dies_is_replaced(own_pool):
-    backend = own_pool(1)
-    pid = backend.fork(os.getpid).wait()
-    os.kill(pid, signal.SIGKILL)
-    time.sleep(0.2)
-    assert backend.fork(os.getpid).wait(timeout=30) != pid
-
-
-def test_workers_that_cannot_start_fail_the_queue(own_pool, monkeypatch):
-    monkeypatch.setattr(process, "_BOOT", "import sys; sys.exit(7)")
-    backend = own_pool(1)
-    with pytest.raises(aiopar.BrokenWorkerError, match="before they were ready"):
-        backend.fork(add, 1).wait(timeout=30)
-
-
 # -- errors ----------------------------------------------------------------------
 
 
@@ -396,81 +170,6 @@ def test_task_that_cannot_be_unpickled_in_the_worker(pool):
         assert "unpickling the task in a worker" in "".join(info.value.__notes__)
     finally:
         del sys.modules["not_importable_anywhere"]
-
-
-# -- cancel and shutdown ---------------------------------------------------------
-
-
-def test_cancel_before_sent(own_pool):
-    backend = own_pool(1, prefetch=0)
-    running = backend.fork(sleep_then, 0.5, "first")
-    queued = backend.fork(add, 1)
-    assert queued.cancel()
-    assert queued.cancelled()
-    with pytest.raises(aiopar.CancelledError):
-        queued.wait()
-    assert running.wait() == "first"
-    assert not running.cancel()
-
-
-def test_prefetched_task_is_no_longer_cancellable(own_pool):
-    backend = own_pool(1, prefetch=1)
-    running = backend.fork(sleep_then, 0.3, "first")
-    _eventually(running.running)
-    prefetched = backend.fork(add, 1)
-    queued = backend.fork(add, 2)
-    assert not prefetched.cancel()
-    assert queued.cancel()
-    assert running.wait() == "first" and prefetched.wait() == 1
-
-
-def test_shutdown_runs_what_was_queued(own_pool):
-    backend = own_pool(1)
-    futures = [backend.fork(sleep_then, 0.02, i) for i in range(6)]
-    backend.shutdown(wait=True)
-    assert [f.value() for f in futures] == list(range(6))
-    assert backend._workers == []
-    with pytest.raises(RuntimeError, match="shut down"):
-        backend.fork(add, 1)
-
-
-def test_shutdown_cancel_pending(own_pool):
-    backend = own_pool(1, prefetch=0)
-    running = backend.fork(sleep_then, 0.3, "ran")
-    _eventually(running.running)
-    queued = [backend.fork(add, i) for i in range(5)]
-    backend.shutdown(wait=True, cancel_pending=True)
-    assert running.value() == "ran"
-    assert all(f.cancelled() for f in queued)
-
-
-def test_shutdown_without_wait_finishes_in_the_background(own_pool):
-    backend = own_pool(1)
-    futures = [backend.fork(sleep_then, 0.02, i) for i in range(3)]
-    backend.shutdown(wait=False)
-    assert [f.wait(timeout=30) for f in futures] == [0, 1, 2]
-    backend.shutdown(wait=True)  # joins the manager
-
-
-def test_shutdown_of_an_unused_backend():
-    backend = ProcessBackend(1)
-    backend.shutdown()
-    backend.shutdown()
-
-
-def test_interpreter_exit_with_pending_work(tmp_path):
-    done = _run_script(
-        tmp_path,
-        """
-        import time, aiopar
-        backend = aiopar.get_backend("process", max_workers=1)
-        futures = [backend.fork(time.sleep, 0.05) for _ in range(4)]
-        futures[-1].add_done_callback(lambda f: print("last done", flush=True))
-        """,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "last done" in done.stdout
-    assert "Traceback" not in done.stderr
 
 
 # -- the rest of the core works unchanged ------------------------------------------
@@ -626,9 +325,9 @@ def test_classes_from_main_come_back_as_themselves(pool):
 def test_prefetch_adapts_to_task_length(own_pool):
     backend = own_pool(1)
     aiopar.wait_all([backend.fork(add, i) for i in range(200)])
-    assert backend._prefetch_depth() > 4  # tiny tasks: several queued per worker
+    assert prefetch_depth(backend) > 4  # tiny tasks: several queued per worker
     aiopar.wait_all([backend.fork(sleep_then, 0.01, i) for i in range(30)])
-    assert backend._prefetch_depth() == 1  # 10 ms tasks: one
+    assert prefetch_depth(backend) == 1  # 10 ms tasks: one
 
 
 def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
@@ -665,241 +364,10 @@ def test_any_exception_from_a_callback_is_logged_and_the_pool_lives_on(own_pool,
     fut.add_done_callback(callback)  # before the task ends: it runs in the manager thread
     with caplog.at_level(logging.ERROR, logger="aiopar"):
         assert fut.wait(timeout=30) == "value"
-        _eventually(lambda: ran == ["value"] and exc_type.__name__ in caplog.text)
+        eventually(lambda: ran == ["value"] and exc_type.__name__ in caplog.text)
     assert "done-callback" in caplog.text
     assert not backend.closed
     assert [backend.fork(add, i, 1).wait(timeout=30) for i in range(3)] == [1, 2, 3]
-
-
-# -- tasks that never return -----------------------------------------------------------
-
-
-def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
-    done = _run_script(
-        tmp_path,
-        """
-        import time
-        from aiopar.backends.process import ProcessBackend
-
-        backend = ProcessBackend(1, prefetch=1, grace=0.5)
-        stuck = backend.fork(time.sleep, 3600)
-        prefetched = backend.fork(abs, -1)  # sent to the stuck worker behind it
-        queued = backend.fork(abs, -2)
-        while not stuck.running():
-            time.sleep(0.01)
-        backend.shutdown(wait=True, cancel_pending=True)
-        print("stuck:", repr(stuck.exception()))
-        print("prefetched:", repr(prefetched.exception()))
-        print("queued cancelled:", queued.cancelled())
-        print("workers left:", len(backend._workers))
-        """,
-    )
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
-    assert "stuck: BrokenWorkerError(" in out
-    assert "sleep() was terminated at shutdown" in out
-    assert "0.5 s after shutdown(cancel_pending=True)" in out
-    assert "prefetched: BrokenWorkerError(" in out and "never ran" in out
-    assert "queued cancelled: True" in out
-    assert "workers left: 0" in out
-    assert "terminating" in done.stderr  # logged, with what to change
-
-
-def test_a_stuck_worker_that_ignores_sigterm_is_killed(tmp_path):
-    done = _run_script(
-        tmp_path,
-        """
-        import os, signal, time
-        from aiopar.backends.process import ProcessBackend
-
-        def stubborn():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            open("ignoring", "w").close()
-            time.sleep(3600)
-
-        backend = ProcessBackend(1, grace=0.2)
-        future = backend.fork(stubborn)
-        while not os.path.exists("ignoring"):
-            time.sleep(0.01)
-        backend.shutdown(cancel_pending=True)
-        print(repr(future.exception()))
-        """,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "BrokenWorkerError(" in done.stdout and "stubborn() was terminated" in done.stdout
-
-
-def test_interpreter_exit_terminates_a_stuck_worker(tmp_path):
-    done = _run_script(
-        tmp_path,
-        """
-        import time, aiopar
-
-        backend = aiopar.get_backend("process", max_workers=1, grace=0.5)
-        stuck = backend.fork(time.sleep, 3600)
-        stuck.add_done_callback(lambda f: print("stuck:", repr(f.exception()), flush=True))
-        finished = backend.fork(abs, -3)
-        while not stuck.running():
-            time.sleep(0.01)
-        """,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "stuck: BrokenWorkerError(" in done.stdout
-    assert "the interpreter is exiting and no task finished for 0.5 s" in done.stdout
-
-
-def test_exit_after_an_uncaught_keyboard_interrupt_cancels_the_queue(tmp_path):
-    done = _run_script(
-        tmp_path,
-        """
-        import time, aiopar
-
-        backend = aiopar.get_backend("process", max_workers=1, prefetch=0, grace=0.5)
-        assert backend.fork(abs, -1).wait() == 1
-        stuck = backend.fork(time.sleep, 3600)  # starts at once on the idle worker
-        stuck.add_done_callback(lambda f: print("stuck:", repr(f.exception()), flush=True))
-        for i in range(3):
-            backend.fork(print, "ran", i).add_done_callback(
-                lambda f: print("cancelled:", f.cancelled(), flush=True)
-            )
-        raise KeyboardInterrupt
-        """,
-    )
-    assert done.returncode != 0  # the interrupt still ends the program
-    assert done.stdout.count("cancelled: True") == 3 and "ran 0" not in done.stdout
-    assert "0.5 s after an uncaught KeyboardInterrupt" in done.stdout
-
-
-def test_exit_still_runs_the_queue_while_tasks_finish(tmp_path):
-    # No task takes the grace period, so all of them run although together
-    # they take longer.
-    done = _run_script(
-        tmp_path,
-        """
-        import time, aiopar
-
-        backend = aiopar.get_backend("process", max_workers=1, grace=0.3)
-        futures = [backend.fork(time.sleep, 0.1) for _ in range(8)]
-        futures[-1].add_done_callback(lambda f: print("last:", f.exception(), flush=True))
-        """,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "last: None" in done.stdout
-
-
-def test_workers_exit_when_the_parent_is_killed(tmp_path):
-    script = tmp_path / "parent.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os, time, aiopar
-
-            backend = aiopar.get_backend("process", max_workers=2, prefetch=0)
-            aiopar.wait_all([backend.fork(time.sleep, 0.3) for _ in range(2)])
-            stuck = backend.fork(time.sleep, 3600)  # one worker busy, the other idle
-            while not stuck.running():
-                time.sleep(0.01)
-            print(*[w.pid for w in backend._workers], flush=True)
-            time.sleep(3600)
-            """
-        )
-    )
-    parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_script_env()
-    )
-    pids: list[int] = []
-    try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 10  # a second is the promise; the machine is shared
-        while not all(_exited(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert [pid for pid in pids if not _exited(pid)] == []
-    finally:
-        parent.kill()
-        parent.wait()
-        parent.stdout.close()
-        for pid in pids:
-            if not _exited(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-# -- os.fork() ---------------------------------------------------------------------------
-
-
-def test_a_forked_child_gets_a_fresh_pool(tmp_path):
-    done = _run_script(
-        tmp_path,
-        """
-        import multiprocessing, os, time, traceback
-        import numpy as np
-        import aiopar
-
-        backend = aiopar.get_backend("process", max_workers=2)
-        parent_workers = set(aiopar.wait_all([backend.fork(os.getpid) for _ in range(4)]))
-        inherited = {os.fstat(w.channel.fileno()).st_ino for w in backend._workers}
-
-        def open_sockets():
-            inodes = set()
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    link = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes.add(int(link[8:-1]))
-            return inodes
-
-        def child():
-            # The parent's worker sockets are closed here, so its workers
-            # see it shut them down.
-            assert not open_sockets() & inherited, "a worker socket of the parent is open"
-            # A task pending at the fork is the parent's: it fails here.
-            error = pending.exception(timeout=10)
-            assert isinstance(error, aiopar.BrokenWorkerError), error
-            assert "os.fork" in str(error)
-            pool = aiopar.get_backend("process", max_workers=2)
-            assert aiopar.wait_all([pool.fork(pow, 2, i) for i in range(8)]) == [
-                2**i for i in range(8)
-            ]
-            pids = set(aiopar.wait_all([pool.fork(os.getpid) for _ in range(4)]))
-            assert not pids & parent_workers and os.getpid() not in pids
-            big = np.arange(1_000_000.0)  # through shared memory
-            assert (pool.fork(np.negative, big).wait() == -big).all()
-            pool.shutdown()
-
-        def run_child():
-            try:
-                child()
-            except BaseException:
-                traceback.print_exc()
-                os._exit(1)
-
-        pending = backend.fork(time.sleep, 2)
-        pid = os.fork()
-        if pid == 0:
-            run_child()
-            os._exit(0)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "os.fork child failed"
-        assert pending.wait(timeout=30) is None  # the parent's copy is unharmed
-
-        pending = backend.fork(time.sleep, 2)
-        process = multiprocessing.get_context("fork").Process(target=run_child)
-        process.start()
-        process.join(60)
-        assert process.exitcode == 0, f"multiprocessing child: exit code {process.exitcode}"
-        assert pending.wait(timeout=30) is None
-
-        assert backend.fork(abs, -5).wait() == 5
-        backend.shutdown()
-        print("ok")
-        """,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
 
 
 # -- import paths ------------------------------------------------------------------------
@@ -982,103 +450,6 @@ def test_a_worker_changes_its_own_copy_of_an_array(pool):
     assert (a == 1).all()
 
 
-@pytest.mark.parametrize(
-    "where",
-    ["argument", "strided", "fortran", "closure", "global", "object", "nested", "result"],
-)
-def test_arrays_anywhere_leave_the_pickle(where):
-    segments = wire.SegmentPool()
-    a = np.arange(1_000_000, dtype=np.float64)  # 8 MB
-    shared = {"__name__": "__main__"}
-    exec("def read_global():\n    return A.sum()\n", shared)
-    shared["A"] = a
-    calls = {
-        "argument": (np.sum, (a,)),
-        "strided": (np.sum, (np.arange(2_000_000.0)[::2],)),
-        "fortran": (np.sum, (np.asfortranarray(a.reshape(1000, 1000)),)),
-        "closure": (lambda: a.sum(), ()),
-        "global": (shared["read_global"], ()),
-        "object": (len, (Holder(a),)),
-        "nested": (len, ([{"k": (a,)}],)),
-    }
-    try:
-        if where == "result":
-            packed = wire.pack(np.arange(2_000_000.0)[::2], segments, by_value=False)
-        else:
-            fn, args = calls[where]
-            packed = wire.pack_call(fn, args, {}, segments)
-        assert len(packed.payload) < wire.LARGE_BUFFER
-        assert packed.segment is not None and sum(packed.lengths) >= a.nbytes
-        packed.discard()
-    finally:
-        segments.close()
-
-
-@pytest.fixture
-def channels():
-    """Two ends of a wire, and the segment pool they send from."""
-    left, right = socket.socketpair()
-    segments = wire.SegmentPool()
-    ends = [wire.Channel(sock, segments.release, lambda seg_id: None) for sock in (left, right)]
-    yield *ends, segments
-    for end in ends:
-        end.close()
-    segments.close()
-
-
-def _send_in_a_thread(channel, messages):
-    """Send (kind, id, packed) messages from another thread (a big one
-    blocks until the receiver reads it)."""
-    thread = threading.Thread(target=lambda: [channel.send(*m) for m in messages])
-    thread.start()
-    return thread
-
-
-def test_a_big_pickle_on_the_socket_is_read_into_one_buffer(channels, monkeypatch):
-    """Received into one buffer of its size, allocated once, and unpickled
-    from it: no buffer per read (where there is no shared memory)."""
-    sender, receiver, segments = channels
-    allocations = []
-    real_bytearray = bytearray
-
-    def counting_bytearray(*args):
-        buf = real_bytearray(*args)
-        if len(buf) >= 1 << 20:
-            allocations.append(buf)
-        return buf
-
-    monkeypatch.setattr(wire, "bytearray", counting_bytearray, raising=False)
-    monkeypatch.setattr(wire, "LARGE_PICKLE", 1 << 40)  # every pickle on the socket
-    value = os.urandom(16 << 20)
-    small = wire.Packed(b"small", [], None, None)
-    big = wire.pack(value, segments)
-    assert big.segment is None
-    thread = _send_in_a_thread(
-        sender, [(wire.RESULT, 1, small), (wire.RESULT, 2, big), (wire.RESULT, 3, small)]
-    )
-    frames = [receiver.recv() for _ in range(3)]
-    thread.join()
-    assert [f.msg_id for f in frames] == [1, 2, 3]
-    assert frames[0].payload == frames[2].payload == b"small"
-    assert len(allocations) == 1 and frames[1].payload is allocations[0]
-    assert frames[1].loads() == value
-
-
-def test_a_big_pickle_travels_in_shared_memory(channels):
-    sender, receiver, segments = channels
-    array = np.arange(100_000.0)
-    value = [b"x" * (4 << 20), "y" * (2 << 20), array, list(range(1000))]
-    packed = wire.pack(value, segments)
-    assert packed.payload == b"" and packed.pickle_in_segment > 6 << 20
-    assert packed.lengths == [array.nbytes]  # the array's buffer first, then the pickle
-    thread = _send_in_a_thread(sender, [(wire.RESULT, 1, packed)])
-    frame = receiver.recv()
-    thread.join()
-    got = frame.loads()
-    assert got[:2] == value[:2] and got[3] == value[3]
-    np.testing.assert_array_equal(got[2], array)
-
-
 def test_shared_memory_goes_back_when_a_worker_dies_or_a_task_fails(own_pool):
     backend = own_pool(1)
     big = np.ones(2_000_000)
@@ -1087,7 +458,7 @@ def test_shared_memory_goes_back_when_a_worker_dies_or_a_task_fails(own_pool):
     with pytest.raises(ValueError, match="on purpose"):
         backend.fork(_fail_holding, big).wait(timeout=30)
     assert backend.fork(np.sum, big).wait(timeout=30) == big.size
-    _eventually(lambda: not backend._segments._busy)
+    eventually(lambda: not backend._segments._busy)
 
 
 def _die_holding(a):

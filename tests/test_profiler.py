@@ -61,7 +61,7 @@ def test_records_a_task_on_the_thread_backend(thread_backend):
     assert record.finished
     assert record.fork_ns <= record.start_ns <= record.end_ns
     assert record.duration_ns >= 1_000_000  # it slept 2 ms
-    assert record.queue_delay_ns >= 0
+    assert 0 < record.queue_delay_ns == record.start_ns - record.fork_ns
     assert record.worker.pid == os.getpid()
     assert record.forker.name == threading.current_thread().name
     assert record.parent is None
@@ -78,8 +78,6 @@ def test_records_inline_tasks_in_the_caller():
 
 @pytest.mark.parametrize("backend", ["openmp", "process"])
 def test_records_tasks_on_other_backends(backend):
-    if backend not in aiopar.available_backends():
-        pytest.skip(f"the {backend!r} backend is not available")
     with aiopar.use_backend(backend), profile() as prof:
         assert aiopar.wait_all([aiopar.fork(leaf, i) for i in range(3)]) == [0, 1, 2]
     records = by_name(prof, "leaf")
@@ -205,7 +203,7 @@ def check_trace_schema(trace: dict) -> None:
         assert isinstance(e["name"], str)
         for key in ("ts", "dur", "pid", "tid"):
             assert isinstance(e[key], int | float), (key, e)
-        assert e["dur"] >= 0
+        assert e["dur"] > 0, e  # every slice is something that took time
     flows = [e for e in events if e["ph"] in ("s", "f")]
     starts = {e["id"]: e for e in flows if e["ph"] == "s"}
     finishes = {e["id"]: e for e in flows if e["ph"] == "f"}
@@ -555,20 +553,20 @@ def test_a_worker_records_nothing_unless_its_parent_profiles():
     from aiopar.backends.process import ProcessBackend
 
     # Local functions travel by value: the worker imports neither this
-    # module nor, through it, the profiler.
+    # module nor, through it, the recorder.
     def forks_two() -> int:
         return sum(aiopar.wait_all([aiopar.fork(abs, -i) for i in range(2)]))
 
-    def profiler_loaded() -> bool:
-        return "aiopar.profiler" in sys.modules
+    def recorder_loaded() -> bool:
+        return "aiopar._recorder" in sys.modules
 
     with ProcessBackend(max_workers=1) as fresh:
         assert fresh.fork(forks_two).wait() == 1
-        assert fresh.fork(profiler_loaded).wait() is False
+        assert fresh.fork(recorder_loaded).wait() is False
         with profile() as prof:
             assert fresh.fork(forks_two).wait() == 1
         assert [r.name for r in prof.records].count("abs") == 2
-        assert fresh.fork(profiler_loaded).wait() is True
+        assert fresh.fork(recorder_loaded).wait() is True
         with profile() as prof:
             assert fresh.fork(int, "7").wait() == 7  # forks nothing: no report
         assert [r.name for r in prof.records] == ["int"]

@@ -25,7 +25,7 @@ import traceback
 from collections import deque
 from typing import Any
 
-from .._trace import clock
+from .._trace import capture_forks, clock
 from . import _process_wire as wire
 
 __all__ = ["main"]
@@ -39,8 +39,7 @@ def main(fd: int, parent_pid: int) -> None:
     from .. import _config
     from . import process
 
-    process._in_worker = True
-    _config.set_backend("thread")
+    process.in_worker_backend = _config.set_backend("thread")
 
     pool = wire.SegmentPool()
     released: deque[int] = deque()  # parent segments this process no longer maps
@@ -96,7 +95,7 @@ def _run(
     frame: wire.Frame, channel: wire.Channel, pool: wire.SegmentPool, released: deque[int]
 ) -> None:
     msg_id = frame.msg_id
-    forks = _record_forks() if frame.t0 else None  # t0: the parent profiles this task
+    forks = capture_forks() if frame.t0 else None  # t0: the parent profiles this task
     start = clock()
     kind = wire.ERROR
     try:
@@ -111,13 +110,6 @@ def _run(
     # Sent outside the except block, so the traceback (and the arguments it
     # keeps alive) is gone and their segments are reported released.
     channel.send(kind, msg_id, packed, released=_drain(released), t0=start, t1=end)
-
-
-def _record_forks() -> Any:
-    # Loaded only in a worker whose parent profiles.
-    from ..profiler import _InWorker
-
-    return _InWorker()
 
 
 def _call(frame: wire.Frame, pool: wire.SegmentPool) -> wire.Packed:

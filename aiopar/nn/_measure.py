@@ -20,7 +20,7 @@ import asyncio
 import contextvars
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "Row",
     "Spread",
     "available_cores",
+    "busy_signs",
     "ensemble_flops",
     "ensemble_run",
     "explain",
@@ -227,22 +228,19 @@ def _every(n: int) -> str:
 
 
 def verdict(speedups: Mapping[str, Spread], anchor: str = "sequential") -> str:
-    """One line naming the winner among `speedups` (each over `anchor`), or saying it is a draw.
+    """One line naming the fastest of `speedups` (each over `anchor`) by median, and whether it won.
 
-    A variant wins only if it was faster than `anchor` in every round (the
-    fastest such, by median); `anchor` wins only if every variant was slower
-    in every round; anything else is level within noise.
+    The row named is always the one with the highest median. It won if it was
+    faster than `anchor` in every round; `anchor` won if every variant was
+    slower in every round; anything else is level within noise.
     """
     if not speedups:
         raise ValueError("verdict needs at least one variant's speed-ups")
-    by_median = sorted(speedups.items(), key=lambda item: item[1].median, reverse=True)
+    name, s = max(speedups.items(), key=lambda item: item[1].median)
     n = max(len(s.ratios) for s in speedups.values())
-    winners = [(name, s) for name, s in by_median if s.outcome == "faster"]
-    if winners:
-        name, s = winners[0]
+    if s.outcome == "faster":
         return f"Verdict: {name} won, {s} as fast as {anchor} (faster in {_every(n)}: {s.range})."
-    name, s = by_median[0]
-    if all(s.outcome == "slower" for s in speedups.values()):
+    if all(other.outcome == "slower" for other in speedups.values()):
         return (
             f"Verdict: {anchor} won; the fastest other variant, {name}, ran at {s} "
             f"(slower in {_every(n)}: {s.range})."
@@ -253,13 +251,46 @@ def verdict(speedups: Mapping[str, Spread], anchor: str = "sequential") -> str:
     )
 
 
-def explain(interop: Spread, blas: Spread, cores: int, tasks: int) -> str:
+#: a GEMM peak that moved by more than this fraction within one run shows a busy machine
+PEAK_DRIFT = 0.2
+
+
+def busy_signs(
+    speedups: Iterable[Spread], cores: int, peaks: Sequence[float], of_peak: Iterable[float]
+) -> list[str]:
+    """What in a run's own figures shows the machine was busy, one phrase each (none: []).
+
+    A speed-up beyond `cores` cannot come from running side by side; a GEMM
+    peak (`peaks`, measured in the run, in order) that moved by more than
+    `PEAK_DRIFT` of the lower, or a row above the peak (`of_peak`, fractions
+    of the highest), shows the cores' speed changed under the run.
+    """
+    signs = []
+    beyond = max((s.high for s in speedups), default=0.0)
+    if beyond > cores:
+        signs.append(f"a speed-up of {beyond:.2f}x on {cores} cores")
+    if peaks and max(peaks) > min(peaks) * (1 + PEAK_DRIFT):
+        shown = " then ".join(f"{p / 1e9:.0f}" for p in peaks)
+        signs.append(f"the GEMM peak measured {shown} GFLOP/s")
+    above = max(of_peak, default=0.0)
+    if above > 1:
+        signs.append(f"a row at {above:.0%} of that peak")
+    return signs
+
+
+def explain(interop: Spread, blas: Spread, cores: int, tasks: int, busy: Sequence[str] = ()) -> str:
     """Why the forks gained what they did, from the rows at 1 BLAS thread each.
 
     `interop` is the forked run over the sequential one, both at 1 BLAS
     thread; `blas` is the sequential run with the default BLAS threads over
-    the one with 1; `tasks` is how many forked tasks could run at once.
+    the one with 1; `tasks` is how many forked tasks could run at once;
+    `busy` is what `busy_signs` found, and if anything, it is the reason given.
     """
+    if busy:
+        return (
+            f"Why: the machine was busy while this ran ({'; '.join(busy)}), so these figures "
+            f"are not to be trusted; run it again when the machine is idle."
+        )
     ideal = min(cores, tasks)
     if ideal <= 1:
         return (

@@ -8,7 +8,7 @@ forked, models forked.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -18,6 +18,8 @@ from .lstm import LSTM, Seed
 from .module import Module, ModuleList
 
 __all__ = ["BidirectionalRecurrentLSTM", "LSTMEnsemble"]
+
+T = TypeVar("T")
 
 
 class BidirectionalRecurrentLSTM(Module):
@@ -54,7 +56,13 @@ class BidirectionalRecurrentLSTM(Module):
         out_f, out_b = out[:, :, :hidden_f], out[:, :, hidden_f:]
         if self.fork:
             future = aiopar.fork(run_direction, self.cell_f, x_tm, out_f)
-            run_direction(self.cell_b, x_tm, out_b, reverse=True)
+            try:
+                run_direction(self.cell_b, x_tm, out_b, reverse=True)
+            except Exception:
+                # The forked half writes into `out` and may fail too: let it
+                # finish and retrieve its outcome; this half's error is raised.
+                future.exception()
+                raise
             result_f = future.wait()
             if result_f is not out_f:
                 # The task ran in another process and sent back a copy.
@@ -109,9 +117,12 @@ class LSTMEnsemble(Module):
         return f"n_models={len(self.models)}, fork_models={self.fork_models}"
 
     def forward(self, x: Any) -> np.ndarray:
+        # Every model takes the same input: refuse a wrong one here, once,
+        # rather than in n_models forked tasks.
+        self.models[0].cell_f._time_major(x)
         if self.fork_models:
             futures = [aiopar.fork(model, x) for model in self.models]
-            results = [future.wait() for future in futures]
+            results = _wait_every(futures)
         else:
             results = [model(x) for model in self.models]
         total: np.ndarray = results[0]
@@ -123,6 +134,24 @@ class LSTMEnsemble(Module):
 
     if TYPE_CHECKING:  # calling a module runs forward: show type checkers its signature
         __call__ = forward
+
+
+def _wait_every(futures: list[aiopar.Future[T]]) -> list[T]:
+    """Every future's value, in order.
+
+    All of them are waited for before the first failure (in list order) is
+    raised, so a sibling's failure is never left unretrieved.
+    """
+    values: list[T] = []
+    first_error: Exception | None = None
+    for future in futures:
+        try:
+            values.append(future.wait())
+        except Exception as error:
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+    return values
 
 
 def run_direction(

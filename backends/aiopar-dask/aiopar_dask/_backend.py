@@ -6,6 +6,7 @@ import atexit
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -68,7 +69,9 @@ class DaskBackend(Backend):
     on a worker's event loop; a task that forks and waits secedes from its
     worker's thread pool while it waits, so nested forks never deadlock a
     worker; done-callbacks run in a settler thread of this process, never on
-    dask's event loop, so they may block.
+    dask's event loop, so they may block. At interpreter exit pending tasks
+    still run, unless the program ended with an uncaught KeyboardInterrupt:
+    then those not started are cancelled, as on the other backends.
     """
 
     name = "dask"
@@ -85,7 +88,6 @@ class DaskBackend(Backend):
         security: Security | None = None,
     ) -> None:
         _check_options(address, client, n_workers, threads_per_worker, processes, security)
-        super().__init__()
         self._lock = threading.Lock()
         self._cluster: LocalCluster | None = None
         self._owns_client = client is None
@@ -99,7 +101,13 @@ class DaskBackend(Backend):
                     processes=processes,
                     **loopback_cluster_options(security, processes),
                 )
-                self._client = Client(self._cluster, set_as_default=False, direct_to_workers=True)
+                try:
+                    self._client = Client(
+                        self._cluster, set_as_default=False, direct_to_workers=True
+                    )
+                except BaseException:
+                    self._cluster.close()
+                    raise
             else:
                 self._client = Client(address, security=security, set_as_default=False)
         elif isinstance(client, Client):
@@ -107,6 +115,9 @@ class DaskBackend(Backend):
         self._settler = Settler("dask")
         # the aiopar future of every task not settled yet, by dask key
         self._inflight: dict[str, tuple[distributed.Future, aiopar.Future[Any]]] = {}
+        # Registers for shutdown at exit: only now that the backend is whole,
+        # so a constructor that raised leaves nothing for exit to trip on.
+        super().__init__()
         _live.add(self)
 
     # -- the client ----------------------------------------------------------
@@ -275,9 +286,12 @@ _live: weakref.WeakSet[DaskBackend] = weakref.WeakSet()
 
 
 def _shutdown_live() -> None:
+    # After an uncaught Ctrl-C, tasks that have not started never do, as on
+    # the other backends (aiopar.backends' own exit hook reads it the same way).
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
     for backend in list(_live):
         try:
-            backend.shutdown(wait=True)
+            backend.shutdown(wait=True, cancel_pending=interrupted)
         except Exception:
             logging.getLogger("aiopar").exception("shutting down %r at exit", backend)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 import traceback
 
@@ -20,6 +21,7 @@ from dask_helpers import (
     listening_addresses,
     loopback_cluster,
     run_python,
+    start_python,
     wait_until,
 )
 
@@ -273,6 +275,51 @@ def test_interpreter_exit_runs_pending_work(tmp_path):
     done = run_python(script, str(tmp_path / "ran"), timeout=60)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "ran").exists()
+
+
+def test_ctrl_c_cancels_the_forks_that_have_not_started():
+    # As on the other backends: after an uncaught Ctrl-C, exit waits only for
+    # what is running; the queued forks never start.
+    proc = start_python(
+        """
+        import sys, time, aiopar
+
+        def task(i):
+            print(f"started {i}", flush=True)
+            time.sleep(4)
+
+        with aiopar.use_backend("dask", n_workers=1, threads_per_worker=1, processes=False):
+            futures = [aiopar.fork(task, i) for i in range(5)]
+            aiopar.wait_all(futures)
+        """
+    )
+    try:
+        assert proc.stdout.readline() == "started 0\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err
+    assert "started" not in out, f"forks queued before Ctrl-C still ran: {out}"
+
+
+def test_a_backend_that_failed_to_connect_leaves_exit_clean():
+    done = run_python(
+        """
+        import dask, aiopar
+
+        dask.config.set({"distributed.comm.timeouts.connect": "1s"})
+        try:
+            aiopar.use_backend("dask", address="tcp://127.0.0.1:1").__enter__()
+        except OSError as error:
+            print("OSError", error)
+        """,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("OSError")
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "Error" not in done.stderr, done.stderr
 
 
 def test_settler_threads_hand_over_while_a_callback_blocks(inproc):
