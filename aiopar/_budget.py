@@ -32,7 +32,7 @@ is in this module:
 4. **Threads come back late.** The libraries get fewer threads as soon as
    more threads count, but more only once nothing counts, or when a thread
    blocks in ``wait``: at once if it computed for less than 0.1 s
-   (``_future._BLOCKED_LONG``), else once the wait has lasted that long.
+   (``_waiter.BLOCKED_LONG``), else once the wait has lasted that long.
    Even then, no sooner than ``COME_BACK_AFTER`` after more than one thread
    last counted: a timer gives them back then. Only a share nothing used
    comes back at once: a forker's that waited within ``WAITS_AT_ONCE`` of
@@ -75,7 +75,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-from . import _future
+from . import _waiter
 
 __all__ = [
     "Slot",
@@ -87,7 +87,7 @@ __all__ = [
     "set_num_interop_threads",
     "set_num_threads",
     "this_thread",
-    "worker_slot",
+    "use_slot",
 ]
 
 _logger = logging.getLogger("aiopar")
@@ -167,7 +167,7 @@ HELD_RECHECK = 0.01
 
 #: rule 4: how long after more than one thread last counted the libraries get
 #: more threads again (as long as OpenBLAS's threads spin after a call)
-COME_BACK_AFTER = _future._BLOCKED_LONG
+COME_BACK_AFTER = _waiter.BLOCKED_LONG
 
 
 class Budget:
@@ -700,7 +700,7 @@ class Slot:
             counted, since = self.counted, self.counted_since
             self.is_blocked = True
             self._recount(unused=self._forked_and_waited())
-        if counted and time.monotonic() - since < _future._BLOCKED_LONG:
+        if counted and time.monotonic() - since < _waiter.BLOCKED_LONG:
             budget.follow()  # it waits at once: its cores go to what it waits for
 
     def blocked_long(self) -> None:
@@ -731,15 +731,14 @@ def this_thread() -> Slot:
     slot = _local.__dict__.get("slot")
     if slot is None:
         slot = _local.slot = Slot(is_worker=False)
-        if _future.get_waiter() is None:
-            _future.set_waiter(slot)
+        if _waiter.get_waiter() is None:
+            _waiter.set_waiter(slot)
     return slot
 
 
-def worker_slot() -> Slot:
-    """A new slot for the calling thread, a pool's worker (its pool is its waiter)."""
-    slot = _local.slot = Slot(is_worker=True)
-    return slot
+def use_slot(slot: Slot) -> None:
+    """Make ``slot`` the calling thread's: a pool's worker, whose pool is its waiter."""
+    _local.slot = slot
 
 
 def _after_fork_in_child() -> None:

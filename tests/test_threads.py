@@ -143,10 +143,10 @@ def test_a_thread_that_computed_beside_its_fork_gives_its_cores_back_once_it_wai
 ):
     # The tail of a fork its forker waits for keeps its share for a while:
     # more BLAS threads for a short spell leave spinning threads behind.
-    import aiopar._future
+    from aiopar import _waiter
 
     long_wait = 0.5
-    monkeypatch.setattr(aiopar._future, "_BLOCKED_LONG", long_wait)
+    monkeypatch.setattr(_waiter, "BLOCKED_LONG", long_wait)
     share = cores() // 2
 
     def tail():

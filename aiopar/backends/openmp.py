@@ -11,7 +11,7 @@ well (large matrix products, big elementwise ufuncs); results agree with
 
 from __future__ import annotations
 
-from .. import _future
+from .. import _waiter
 from .thread import ThreadBackend
 
 __all__ = ["OpenMPBackend"]
@@ -43,4 +43,4 @@ class OpenMPBackend(ThreadBackend):
     def stealable(self) -> bool:  # type: ignore[override]
         # Only the lane itself may run an awaited task in place: any other
         # waiter would run it beside the lane, out of order.
-        return getattr(_future.get_waiter(), "pool", None) is self
+        return getattr(_waiter.get_waiter(), "pool", None) is self
