@@ -121,6 +121,7 @@ class Task:
             error = CancelledError("interrupted by Ctrl-C while the main thread was running it")
             error.__cause__ = exception
             future._settle(None, error)
+            future._retrieve()  # the interrupt itself goes on up: nothing is unread
             raise exception
         future._settle(result, exception)
 
