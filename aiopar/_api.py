@@ -18,7 +18,7 @@ import anyio
 from . import _loop
 from ._config import current_backend
 from ._errors import CancelledError
-from ._future import Future, check_timeout
+from ._future import Future, _warn_blocking_loop, check_timeout
 from ._interop import describe_type, not_a_future_message
 
 __all__ = [
@@ -89,6 +89,8 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
     Tasks that have not started run in the calling thread.
     """
     futures = _future_list(futs, "wait_all()")
+    if _loop.running_async_library() is not None and not all(fut.done() for fut in futures):
+        _warn_blocking_loop()  # before it runs a task on the loop's thread
     for fut in futures:
         task = fut._task  # None once done
         if task is not None and task.stealable:
