@@ -35,6 +35,8 @@ class OpenMPBackend(ThreadBackend):
     """
 
     name = "openmp"
+    # The lane's task has every intra-op thread, whatever its forker does meanwhile.
+    forker_counts = False
 
     def __init__(self) -> None:
         super().__init__(max_workers=1)

@@ -25,7 +25,7 @@ import itertools
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 from .. import _budget
 from .._future import CANCELLED, Future
@@ -144,6 +144,9 @@ class ThreadBackend(Backend):
 
     name = "thread"
     task_class = _BudgetedTask
+    #: whether a thread outside the pools counts beside its forks while it
+    #: does not wait (rule 3 of ``aiopar._budget``)
+    forker_counts: ClassVar[bool] = True
 
     def __init__(self, max_workers: int | None = None) -> None:
         check_count(max_workers, "max_workers", none="the default")
@@ -194,7 +197,7 @@ class ThreadBackend(Backend):
             slot = _this_slot()
             # A worker counts already, and an event loop's thread awaits its
             # forks rather than computing beside them: neither counts for a fork.
-            forker = None if slot.is_worker or on_event_loop() else slot
+            forker = None if slot.is_worker or not self.forker_counts or on_event_loop() else slot
         lock = self._lock
         lock.acquire()  # not "with": it would cost as much as the lock, once per fork
         try:
