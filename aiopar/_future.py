@@ -21,6 +21,8 @@ from collections.abc import Callable, Generator
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
+import sniffio
+
 from . import _loop, _trace, _waiter
 from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback
@@ -37,6 +39,7 @@ _STATE_NAMES = ("pending", "running", "cancelled", "finished")
 
 
 _local = _waiter.local
+_sniffio_thread = sniffio.thread_local
 
 
 class Future(Generic[T], concurrent.futures.Future[T]):
@@ -206,6 +209,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             timeout = check_timeout(timeout)
         if self._state < CANCELLED and not self._block(timeout):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
+        if self._state == FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         return self.value()
 
     def result(self, timeout: float | None = None) -> T:
@@ -242,24 +247,32 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """
         if self._state >= CANCELLED:
             return True
-        if _loop.running_async_library() is not None:
-            _warn_blocking_loop()
+        if _get_running_loop() is not None or _sniffio_thread.name is not None:
+            _warn_blocking_loop()  # an event loop runs in this thread
         task = self._task
-        owner = _local.__dict__.get("waiter")
-        if task is not None:
-            if timeout is None and self._state == PENDING and task.stealable:
-                _run_nested(task.run)  # does nothing unless it wins the claim
-                if self._state >= CANCELLED:
-                    return True
-            if task.runs_on_this_thread():
-                raise RuntimeError(
-                    f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
-                    f"wait() would block for ever; use 'await fut' inside the loop instead"
-                )
-        if owner is not None:
-            run_own_forks = getattr(owner, "run_own_forks", None)
-            if run_own_forks is not None:
-                _run_nested(run_own_forks, self)
+        local = _local.__dict__
+        owner = local.get("waiter")
+        run_own_forks = None if owner is None else getattr(owner, "run_own_forks", None)
+        steals = local.get("steals", 0)
+        # Work it runs nests in its stack: a deep stack blocks instead, and
+        # the pool compensates, so deep recursion through fork/wait never
+        # hits the recursion limit.
+        if steals < sys.getrecursionlimit() // _FRAMES_PER_STEAL:
+            local["steals"] = steals + 1
+            try:
+                if timeout is None and task is not None and task.stealable:
+                    task.run()  # does nothing unless it wins the claim
+                if run_own_forks is not None:
+                    run_own_forks(self)
+            finally:
+                local["steals"] = steals
+            if self._state >= CANCELLED:
+                return True
+        if task is not None and task.runs_on_this_thread():
+            raise RuntimeError(
+                f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
+                f"wait() would block for ever; use 'await fut' inside the loop instead"
+            )
         _drain_deferred_callbacks()  # they may be what settles this future
         if self._state >= CANCELLED:
             return True
@@ -516,28 +529,9 @@ def _warn_blocking_loop() -> None:
     )
 
 
-def _run_nested(run: Callable[..., object], *args: Any) -> None:
-    """Run work a waiter takes on (``run(*args)``) nested in its own stack,
-    unless the stack is deep already: then the waiter blocks instead, and
-    the pool compensates, so deep recursion through fork/wait never hits the
-    recursion limit."""
-    local = _local.__dict__
-    steals = local.get("steals", 0)
-    if steals < _max_steals():
-        local["steals"] = steals + 1
-        try:
-            run(*args)
-        finally:
-            local["steals"] = steals
-
-
-def _max_steals() -> int:
-    """How many tasks a waiting thread may run nested in its own stack.
-
-    A stolen task adds about six frames; past this many, a waiter blocks
-    and lets the pool run the task, well clear of the recursion limit.
-    """
-    return sys.getrecursionlimit() // 12
+# A task a waiter runs adds about six frames to its stack: past a twelfth
+# of the recursion limit in nested steals, a waiter blocks instead.
+_FRAMES_PER_STEAL = 12
 
 
 class _Unretrieved:

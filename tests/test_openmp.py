@@ -11,7 +11,7 @@ from budget_helpers import once_alone
 from threadpoolctl import threadpool_info
 
 import aiopar
-from aiopar import _budget
+from aiopar import _budget_slots
 from aiopar._budget import budget, cores
 from aiopar.backends.openmp import OpenMPBackend
 
@@ -76,7 +76,7 @@ def test_a_task_gets_every_intra_op_thread_while_its_forker_goes_on(lane):
         checked.set()
 
     # As a thread that slept after its fork: rule 3 takes it to compute beside it.
-    _budget.this_thread().anticipates = True
+    _budget_slots.this_thread().anticipates = True
     fut = lane.fork(counts)
     assert checked.wait(10)  # not aiopar's wait: this thread is busy meanwhile
     fut.wait(timeout=10)

@@ -211,8 +211,14 @@ def test_shutdown_cancels_outside_the_pool_lock_so_a_cancel_callback_may_fork():
         import threading, aiopar
 
         pool = aiopar.get_backend("thread", max_workers=1)
-        gate = threading.Event()
-        held = pool.fork(gate.wait, 10)  # the one worker is busy: the next task queues
+        started, gate = threading.Event(), threading.Event()
+
+        def hold():
+            started.set()
+            return gate.wait(10)
+
+        held = pool.fork(hold)
+        assert started.wait(10)  # the one worker is busy: the next task queues
         queued = pool.fork(lambda: 1)
         said = []
 

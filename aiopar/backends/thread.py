@@ -27,9 +27,9 @@ import threading
 import weakref
 from typing import Any, ClassVar
 
-from .. import _budget
+from .. import _budget, _budget_slots
+from .._budget_slots import Slot, probe, use_slot
 from .._future import CANCELLED, Future
-from .._loop import on_event_loop
 from .._waiter import set_waiter
 from ._base import Backend, Task, check_count
 
@@ -39,36 +39,38 @@ __all__ = ["COMPENSATION_LIMIT", "ThreadBackend"]
 COMPENSATION_LIMIT = 64
 
 _backend_ids = itertools.count(1)
-_this_slot = _budget.this_thread
-_budget_give_back = _budget.budget.give_back
-_budget_take = _budget.budget.take
 
 # .worker: the _Worker running in this thread, if it is a pool's worker
 _current = threading.local()
 
 
 class _BudgetedTask(Task):
-    """A task of an in-process pool: its thread's budget slot counts it while
-    it runs. ``forker`` is the slot of the thread outside the pools that
-    forked it (it counts beside the task), ``reserved`` is true if the task
-    holds a budget token from its fork (an idle worker was woken for it)."""
+    """A task of an in-process pool, which reports to the budget's occupancy
+    hook while it has one: its thread's slot counts it while it runs.
+    ``forker`` is the slot of the thread outside the pools that forked it
+    (it counts beside the task), ``reserved`` is true if the task holds a
+    budget token from its fork (an idle worker was woken for it)."""
 
     __slots__ = ("forker", "reserved")
     backend: ThreadBackend
-    forker: _budget.Slot | None
+    forker: Slot | None
     reserved: bool
+    stealable = True  # in-process: a waiter may run it
 
     def run(self) -> None:
         future = self.claim()
         if future is None:
             self.release_budget()  # if it was cancelled
             return
+        occupancy = _budget_slots.hook
+        if occupancy is None:  # no BLAS or OpenMP library: nothing to count
+            self.settle(future, self.call())
+            return
         forker, self.forker = self.forker, None
         reserved, self.reserved = self.reserved, False
-        slot = _this_slot()
         pool = self.backend
         # This task may still be in a queue, the one a waiter took out of turn.
-        slot.task_started(reserved, forker, queued=reserved and pool._backlog() > 1)
+        slot = occupancy.busy(reserved, forker, queued=reserved and pool._backlog() > 1)
         try:
             outcome = self.call()
         finally:
@@ -86,10 +88,9 @@ class _BudgetedTask(Task):
         with future._lock:
             forker, self.forker = self.forker, None
             reserved, self.reserved = self.reserved, False
-        if forker is not None:
-            forker.fork_finished()
-        if reserved:
-            _budget_give_back(now=True)
+        occupancy = _budget_slots.hook
+        if occupancy is not None:  # it is, if the fork took anything
+            occupancy.cancelled(forker, reserved)
 
 
 class _Worker:
@@ -102,7 +103,7 @@ class _Worker:
         self.pool = pool
         # Tasks forked in this thread: it pops the newest, thieves the oldest.
         self.forks: collections.deque[_BudgetedTask] = collections.deque()
-        self.slot = _budget.Slot(is_worker=True)
+        self.slot = Slot(is_worker=True)
         self.task: Task | None = None  # the task it runs now, for exit reports
         self.thread = threading.Thread(
             target=pool._work,
@@ -124,15 +125,19 @@ class _Worker:
             task.run()
 
     def blocked(self) -> None:
-        self.slot.blocked()
+        probe()
+        if _budget_slots.hook is not None:
+            self.slot.blocked()
         self.pool._worker_blocked()
 
     def blocked_long(self) -> None:
-        self.slot.blocked_long()
+        if self.slot.is_blocked:
+            self.slot.blocked_long()
 
     def resumed(self) -> None:
         self.pool._worker_resumed()
-        self.slot.resumed()
+        if self.slot.is_blocked:  # the hook was there when it blocked
+            self.slot.resumed()
 
 
 class ThreadBackend(Backend):
@@ -155,6 +160,7 @@ class ThreadBackend(Backend):
         self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
         self._reset()
         _live_pools.add(self)
+        probe()  # the budget listens from the first fork if BLAS is loaded already
 
     def _reset(self) -> None:
         """The state of a pool with no worker (also a fresh start in a forked child)."""
@@ -189,15 +195,8 @@ class ThreadBackend(Backend):
         if not isinstance(task, _BudgetedTask):
             raise TypeError(f"{type(self).__name__} runs {_BudgetedTask.__name__}s only")
         worker: _Worker | None = getattr(_current, "worker", None)
-        if worker is not None and worker.pool is self:
-            queue = worker.forks  # work-first: its own deque
-            forker = None  # a worker counts already
-        else:
-            queue = self._tasks
-            slot = _this_slot()
-            # A worker counts already, and an event loop's thread awaits its
-            # forks rather than computing beside them: neither counts for a fork.
-            forker = None if slot.is_worker or not self.forker_counts or on_event_loop() else slot
+        # Work-first: a task of this pool forks into its worker's own deque.
+        queue = worker.forks if worker is not None and worker.pool is self else self._tasks
         lock = self._lock
         lock.acquire()  # not "with": it would cost as much as the lock, once per fork
         try:
@@ -206,17 +205,20 @@ class ThreadBackend(Backend):
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
             # Workers take queued tasks without the lock, so everything about
             # the task is settled before it is queued.
-            reserved = (
+            woken = (
                 # _wake_worker's own test, first: a busy pool's forks skip the call.
                 (self._idle or len(self._workers) - self._blocked < self.max_workers)
-                and self._backlog() >= self._waking
+                # No more wake-ups than queued tasks.
+                and (not self._waking or self._backlog() >= self._waking)
                 and self._wake_worker()
             )
-            if reserved:
-                _budget_take()
-            if forker is not None:  # before a worker can finish the task
-                forker.forked(woken=reserved)
-            task.forker, task.reserved = forker, reserved
+            occupancy = _budget_slots.hook
+            if occupancy is None:
+                task.forker, task.reserved = None, False
+            else:  # before a worker can finish the task
+                # A worker counts already, and so does not count for a fork.
+                counts = worker is None and self.forker_counts
+                task.forker, task.reserved = occupancy.forked(woken, counts), woken
             queue.append(task)
         finally:
             lock.release()
@@ -254,12 +256,14 @@ class ThreadBackend(Backend):
 
     def _work(self, worker: _Worker) -> None:
         _current.worker = worker
-        _budget.use_slot(worker.slot)
+        use_slot(worker.slot)
         set_waiter(worker)
+        probe()
         try:
             self._run_tasks(worker)
         finally:
-            worker.slot.went_idle()  # a worker that lingered stops counting as it stops
+            if _budget_slots.hook is not None:
+                worker.slot.went_idle()  # a worker that lingered stops counting as it stops
 
     def _next_task(self, forks: collections.deque[_BudgetedTask]) -> _BudgetedTask | None:
         """Its own newest fork, else the oldest task stolen from another
@@ -290,7 +294,9 @@ class ThreadBackend(Backend):
                 return
             task = self._next_task(worker.forks)
             if task is None:
-                slot.went_idle()
+                probe()
+                if _budget_slots.hook is not None:
+                    slot.went_idle()
                 with self._lock:
                     if self._backlog():
                         continue
