@@ -64,6 +64,7 @@ starts counting and gets its own setting back when it stops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -72,7 +73,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _waiter
@@ -84,6 +85,7 @@ __all__ = [
     "cores",
     "get_num_interop_threads",
     "get_num_threads",
+    "num_threads",
     "set_num_interop_threads",
     "set_num_threads",
 ]
@@ -460,6 +462,31 @@ def set_num_threads(n: int | None) -> None:
     """
     check_count(n, "set_num_threads(n): n", none="the automatic budget")
     budget.set_explicit(n, None if n is None else "set_num_threads")
+
+
+def num_threads(n: int | None) -> contextlib.AbstractContextManager[None]:
+    """Use ``n`` intra-op threads inside the ``with`` block (``None``: the
+    automatic budget), then restore the setting that was in force before it:
+    an explicit count (from :func:`set_num_threads`, an enclosing block, or
+    an environment variable such as ``OMP_NUM_THREADS``) or the budget.
+
+    Like :func:`set_num_threads`, which it calls, the count is process-wide:
+    it holds for every thread while the block runs. A count that is not a
+    whole number >= 1 (or None) raises ValueError here, at the call.
+    """
+    check_count(n, "num_threads(n): n", none="the automatic budget")
+    return _num_threads(n)
+
+
+@contextlib.contextmanager
+def _num_threads(n: int | None) -> Iterator[None]:
+    with budget.lock:
+        previous = budget.explicit, budget.explicit_from
+    budget.set_explicit(n, None if n is None else "num_threads")
+    try:
+        yield
+    finally:
+        budget.set_explicit(*previous)
 
 
 def _after_fork_in_child() -> None:

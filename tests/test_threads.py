@@ -850,3 +850,21 @@ def test_a_thread_count_variable_that_is_not_a_count_is_said_to_be_ignored():
     out = python("-c", code, env=env, check=True).stdout
     assert out.splitlines()[0] == str(cores()), "the budget decides, as if it were unset"
     assert "note: OMP_NUM_THREADS='abc' is ignored: it is not a whole number >= 1" in out
+
+
+def test_num_threads_sets_the_count_for_a_block_and_restores_what_was_in_force():
+    assert aiopar.get_num_threads() == cores()  # the budget, no task running
+    with aiopar.num_threads(1):
+        assert seen() == (1, [1] * len(blas_threads()))
+        aiopar.set_num_threads(2)  # inside the block: the block restores over it
+    assert budget.explicit is None and seen() == (cores(), [cores()] * len(blas_threads()))
+    aiopar.set_num_threads(1)
+    try:
+        with aiopar.num_threads(None):  # the budget inside, the explicit count after
+            assert budget.explicit is None
+        assert budget.explicit == 1 and budget.explicit_from == "set_num_threads"
+        with pytest.raises(ValueError, match=r"num_threads\(n\): n must be a whole number >= 1"):
+            aiopar.num_threads(0)  # at the call, before any with
+        assert budget.explicit == 1
+    finally:
+        aiopar.set_num_threads(None)
