@@ -266,3 +266,27 @@ def test_a_plugins_exit_hook_runs_after_queued_work_and_before_shutdown():
         "task 2",
         "hook, pool open: True",
     ], done.stdout
+
+
+def test_tasks_queued_at_exit_may_still_use_a_thread_pool_executor():
+    # concurrent.futures refuses new work once its own exit hook has run
+    # ("cannot schedule new futures after interpreter shutdown"): queued
+    # tasks run before it, as the rpc plugin's calls (offloaded by dask) need.
+    done = run_python(
+        """
+        import concurrent.futures, time, aiopar
+
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+
+        def task(i):
+            time.sleep(0.01)
+            print("task", i, executor.submit(int, str(i)).result(), flush=True)
+
+        pool = aiopar.get_backend("thread", max_workers=1)
+        for i in range(3):
+            pool.fork(task, i)
+        """,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"task {i} {i}" for i in range(3)], done.stderr

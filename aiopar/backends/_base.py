@@ -11,6 +11,7 @@ waiter is skipped, so a backend needs no bookkeeping for either.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours, below
 import contextvars
 import functools
 import inspect
@@ -342,7 +343,10 @@ def _shutdown_all(backends: list[Backend]) -> None:
 # Draining runs where threading's own exit hooks do, before non-daemon
 # threads are joined and before any atexit handler (libraries such as
 # distributed close their clients in one); shutting down runs as an atexit
-# handler, after them.
+# handler, after them. Those hooks run last registered first: registered
+# after concurrent.futures' own (which makes its executors refuse work, and
+# is registered when its thread module is first imported), the drain and the
+# plugins' hooks still find them taking work.
 threading._register_atexit(_at_exit_stage, _drain_all)  # type: ignore[attr-defined]
 atexit.register(_at_exit_stage, _shutdown_all)
 
