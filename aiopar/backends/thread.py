@@ -194,7 +194,9 @@ class ThreadBackend(Backend):
     def submit(self, task: Task) -> None:
         if not isinstance(task, _BudgetedTask):
             raise TypeError(f"{type(self).__name__} runs {_BudgetedTask.__name__}s only")
-        worker: _Worker | None = getattr(_current, "worker", None)
+        # Not getattr(_current, "worker", None): on a thread-local, a missing
+        # attribute costs an AttributeError raised and caught, ten times this.
+        worker: _Worker | None = _current.__dict__.get("worker")
         # Work-first: a task of this pool forks into its worker's own deque.
         queue = worker.forks if worker is not None and worker.pool is self else self._tasks
         lock = self._lock
@@ -207,7 +209,11 @@ class ThreadBackend(Backend):
             # the task is settled before it is queued.
             woken = (
                 # _wake_worker's own test, first: a busy pool's forks skip the call.
-                (self._idle or len(self._workers) - self._blocked < self.max_workers)
+                (
+                    self._idle
+                    or len(self._workers) - self._blocked
+                    < (self._max_workers or _budget.interop_threads)  # max_workers, inline
+                )
                 # No more wake-ups than queued tasks.
                 and (not self._waking or self._backlog() >= self._waking)
                 and self._wake_worker()
@@ -268,20 +274,21 @@ class ThreadBackend(Backend):
     def _next_task(self, forks: collections.deque[_BudgetedTask]) -> _BudgetedTask | None:
         """Its own newest fork, else the oldest task stolen from another
         worker, else the oldest in the shared queue; None if all are empty."""
-        try:
-            return forks.pop()
-        except IndexError:
-            pass
-        for queue in self._queues:
+        # Each deque is looked at before it is popped: an empty one's
+        # IndexError costs more than the look. The pop may still find it
+        # empty: its owner, or another thief, took the last task meanwhile.
+        if forks:
+            try:
+                return forks.pop()
+            except IndexError:
+                pass
+        for queue in (*self._queues, self._tasks):
             if queue:
                 try:
                     return queue.popleft()
-                except IndexError:  # its owner, or another thief, took it
+                except IndexError:
                     pass
-        try:
-            return self._tasks.popleft()
-        except IndexError:
-            return None
+        return None
 
     def _run_tasks(self, worker: _Worker) -> None:
         slot = worker.slot
@@ -290,7 +297,11 @@ class ThreadBackend(Backend):
         while True:
             # Over the limit (it went down, or a blocked worker came back):
             # stop before taking another task.
-            if len(self._workers) - self._blocked > self.max_workers and self._retire(worker):
+            if (
+                len(self._workers) - self._blocked
+                > (self._max_workers or _budget.interop_threads)  # max_workers, inline
+                and self._retire(worker)
+            ):
                 return
             task = self._next_task(worker.forks)
             if task is None:
