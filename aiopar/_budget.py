@@ -4,7 +4,11 @@ Thread counts come in two kinds, kept apart as ATen keeps them: *interop*
 workers run forked tasks side by side, *intra-op* threads split one operation
 (BLAS and OpenMP threads, set through threadpoolctl, plus the helpers of
 ``parallel_for``). Every rule that keeps interop x intra-op within the cores
-is in this module:
+is stated here, and the token counts and library settings they make are
+kept here; each thread's standing (rule 2, its slot) and the occupancy hook
+the pools report to are in ``_budget_slots``, the calls that read and set a
+library's count in ``_budget_libraries``. Every rule reads the time from
+``clock``, which tests replace:
 
 1. **The count.** Explicit (``set_num_threads``, or a thread-count
    environment variable at import) and then kept whatever runs; otherwise
