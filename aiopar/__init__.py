@@ -9,6 +9,7 @@ from ._api import TaskGroup, as_completed, collect_all, fork, task_group, wait, 
 from ._budget import (
     get_num_interop_threads,
     get_num_threads,
+    num_threads,
     set_num_interop_threads,
     set_num_threads,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "get_num_interop_threads",
     "get_num_threads",
     "in_parallel_region",
+    "num_threads",
     "parallel_for",
     "parallel_info",
     "set_backend",

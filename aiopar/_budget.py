@@ -4,7 +4,11 @@ Thread counts come in two kinds, kept apart as ATen keeps them: *interop*
 workers run forked tasks side by side, *intra-op* threads split one operation
 (BLAS and OpenMP threads, set through threadpoolctl, plus the helpers of
 ``parallel_for``). Every rule that keeps interop x intra-op within the cores
-is in this module:
+is stated here, and the token counts and library settings they make are
+kept here; each thread's standing (rule 2, its slot) and the occupancy hook
+the pools report to are in ``_budget_slots``, the calls that read and set a
+library's count in ``_budget_libraries``. Every rule reads the time from
+``clock``, which tests replace:
 
 1. **The count.** Explicit (``set_num_threads``, or a thread-count
    environment variable at import) and then kept whatever runs; otherwise
@@ -32,7 +36,7 @@ is in this module:
 4. **Threads come back late.** The libraries get fewer threads as soon as
    more threads count, but more only once nothing counts, or when a thread
    blocks in ``wait``: at once if it computed for less than 0.1 s
-   (``_future._BLOCKED_LONG``), else once the wait has lasted that long.
+   (``_waiter.BLOCKED_LONG``), else once the wait has lasted that long.
    Even then, no sooner than ``COME_BACK_AFTER`` after more than one thread
    last counted: a timer gives them back then. Only a share nothing used
    comes back at once: a forker's that waited within ``WAITS_AT_ONCE`` of
@@ -64,6 +68,7 @@ starts counting and gets its own setting back when it stops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -72,22 +77,21 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from . import _future
+from . import _waiter
+from ._budget_libraries import limiting_thread, process_wide_getter, process_wide_setter
 
 __all__ = [
-    "Slot",
     "budget",
     "check_count",
     "cores",
     "get_num_interop_threads",
     "get_num_threads",
+    "num_threads",
     "set_num_interop_threads",
     "set_num_threads",
-    "this_thread",
-    "worker_slot",
 ]
 
 _logger = logging.getLogger("aiopar")
@@ -162,12 +166,15 @@ def threads_from_env() -> tuple[int | None, str | None, list[str]]:
     return None, None, ignored
 
 
+#: the time every rule reads, in seconds; tests replace it to step time by hand
+clock: Callable[[], float] = time.monotonic
+
 #: while someone else holds a library (rule 5), how often the budget looks again
 HELD_RECHECK = 0.01
 
 #: rule 4: how long after more than one thread last counted the libraries get
 #: more threads again (as long as OpenBLAS's threads spin after a call)
-COME_BACK_AFTER = _future._BLOCKED_LONG
+COME_BACK_AFTER = _waiter.BLOCKED_LONG
 
 
 class Budget:
@@ -206,6 +213,8 @@ class Budget:
         self.per_thread: list[Any] = []
         self.modules_seen = -1  # len(sys.modules) at the last scan for libraries
         self.local = threading.local()  # per-thread libraries: .applied, .own
+        # Called once a scan finds a library: the occupancy hook starts listening.
+        self.on_found: Callable[[], None] | None = None
 
     @property
     def running(self) -> int:
@@ -233,7 +242,11 @@ class Budget:
             n = self._share(len(self.tokens))
             applied = self.applied
             if n == applied or (
-                not now and self.come_back_timer is not None and applied is not None and n > applied
+                not now
+                and self.come_back_timer is not None
+                and applied is not None
+                and n > applied
+                and clock() < self.crowded_at + COME_BACK_AFTER  # the timer is not late
             ):
                 return
             if self._not_due(n):
@@ -244,14 +257,14 @@ class Budget:
     def _not_due(self, n: int) -> bool:
         """Rule 5: whether a library someone else holds was looked at for
         count ``n`` less than HELD_RECHECK seconds ago."""
-        return bool(self.held) and n == self.attempted and time.monotonic() < self.recheck_at
+        return bool(self.held) and n == self.attempted and clock() < self.recheck_at
 
     def take(self) -> None:
         """One more counts: the libraries get fewer threads at once if the share drops."""
         tokens = self.tokens
         tokens.append(None)
         if len(tokens) > 1:
-            self.crowded_at = time.monotonic()
+            self.crowded_at = clock()
         self.follow()
 
     def give_back(self, *, now: bool = False) -> None:
@@ -268,7 +281,7 @@ class Budget:
         if delta > 0:
             self.tokens.extend([None] * delta)
             if len(self.tokens) > 1:
-                self.crowded_at = time.monotonic()
+                self.crowded_at = clock()
             self.follow()
         else:
             for _ in range(-delta):
@@ -303,7 +316,7 @@ class Budget:
             # Rule 4, unless someone else holds a library: rule 5 tells a
             # holder by the count the budget gave it last.
             if not now and last is not None and n > last and not self.held:
-                wait = self.crowded_at + COME_BACK_AFTER - time.monotonic()
+                wait = self.crowded_at + COME_BACK_AFTER - clock()
                 if wait > 0:
                     self._come_back_later(wait)
                     return last
@@ -357,7 +370,7 @@ class Budget:
         self.attempted = n
         self.applied = None if held else n
         if held:
-            self.recheck_at = time.monotonic() + HELD_RECHECK
+            self.recheck_at = clock() + HELD_RECHECK
 
     def apply_here(self) -> None:
         """Give this thread's OpenMP libraries the current count (a no-op without them)."""
@@ -399,6 +412,8 @@ class Budget:
                 self.getters.append(process_wide_getter(lib))
         self.applied = None
         self.local = threading.local()
+        if (self.process_wide or self.per_thread) and self.on_found is not None:
+            self.on_found()
 
     def libraries(self) -> list[dict[str, Any]]:
         """threadpoolctl's view of the loaded BLAS/OpenMP libraries, freshly scanned.
@@ -427,50 +442,6 @@ class Budget:
 budget = Budget()
 
 
-def process_wide_setter(lib: Any) -> Callable[[int], Any]:
-    """The cheapest call that sets a process-wide library's thread count.
-
-    For OpenBLAS that is its own C function, reached through threadpoolctl's
-    handle on the library (``dynlib``, and the symbol names of its
-    ``check_symbols``: the threadpoolctl versions this relies on are pinned
-    in pyproject.toml and a test fails if they change). threadpoolctl's
-    method lets only one thread (the first that calls it) change OpenBLAS and
-    ignores the others, while the budget changes it from whichever thread
-    starts or ends a task; the C function also costs a third of the method.
-    """
-    if lib.internal_api == "openblas":
-        for get_symbol in type(lib).check_symbols:
-            name = get_symbol.replace("_get_", "_set_")
-            setter: Callable[[int], Any] | None = getattr(lib.dynlib, name, None)
-            if setter is not None:
-                return setter
-    return cast("Callable[[int], Any]", lib.set_num_threads)
-
-
-def process_wide_getter(lib: Any) -> Callable[[], Any]:
-    """The cheapest call that reads a process-wide library's thread count:
-    OpenBLAS's own C function (the one threadpoolctl checks for), else
-    threadpoolctl's property."""
-    if lib.internal_api == "openblas":
-        for get_symbol in type(lib).check_symbols:
-            getter: Callable[[], Any] | None = getattr(lib.dynlib, get_symbol, None)
-            if getter is not None:
-                return getter
-    return lambda: lib.num_threads
-
-
-def limiting_thread(lib: Any) -> threading.Thread | None:
-    """The thread inside a ``threadpool_limits`` block on ``lib``, if
-    threadpoolctl says: it does for OpenBLAS with pthreads, the one library
-    whose limits it lets only one thread set (``_SHARED_STATE``, private;
-    a test fails if a threadpoolctl release moves it)."""
-    shared = getattr(type(lib), "_SHARED_STATE", None)
-    thread = getattr(shared, "controlling_thread", None)
-    if isinstance(thread, threading.Thread) and thread.is_alive():
-        return thread
-    return None
-
-
 def get_num_threads() -> int:
     """Intra-op threads: what BLAS, OpenMP and ``parallel_for`` may use right now.
 
@@ -497,260 +468,38 @@ def set_num_threads(n: int | None) -> None:
     budget.set_explicit(n, None if n is None else "set_num_threads")
 
 
-# -- per-thread slots ---------------------------------------------------------
+def num_threads(n: int | None) -> contextlib.AbstractContextManager[None]:
+    """Use ``n`` intra-op threads inside the ``with`` block (``None``: the
+    automatic budget), then restore the setting that was in force before it:
+    an explicit count (from :func:`set_num_threads`, an enclosing block, or
+    an environment variable such as ``OMP_NUM_THREADS``) or the budget.
 
-#: a thread that waits this soon after its last fork is not computing beside it
-WAITS_AT_ONCE = 0.001
-
-
-class Slot:
-    """One thread's standing in the budget (rule 2), and the waiter of a
-    thread outside the pools.
-
-    A slot holds one token while it counts. Its own thread calls
-    :meth:`task_started` / :meth:`task_ended` around each task it runs,
-    :meth:`went_idle` when it finds no task (a pool's worker) and, through
-    the waiter protocol, :meth:`blocked` / :meth:`blocked_long` /
-    :meth:`resumed`; a pool calls :meth:`forked` in the thread that forks a
-    task, and :meth:`fork_taken` and :meth:`fork_finished` on that thread's
-    slot from the thread that runs it.
-
-    Only a slot's own thread writes its counters; other threads set
-    ``elsewhere`` and ``sharing``. A transition that may change whether the
-    slot counts recounts under ``lock``; one that cannot (the common case,
-    task after task) takes no lock.
+    Like :func:`set_num_threads`, which it calls, the count is process-wide:
+    it holds for every thread while the block runs. A count that is not a
+    whole number >= 1 (or None) raises ValueError here, at the call.
     """
-
-    __slots__ = (
-        "anticipates",
-        "counted",
-        "counted_since",
-        "elsewhere",
-        "forked_at",
-        "forks",
-        "is_blocked",
-        "is_worker",
-        "lock",
-        "running",
-        "running_own",
-        "sharing",
-    )
-
-    def __init__(self, is_worker: bool) -> None:
-        self.lock = threading.Lock()
-        self.is_worker = is_worker
-        self.running = 0  # tasks this thread runs that count (nested ones too)
-        self.running_own = 0  # forks of its own it runs (they count only beside others)
-        # One item per fork of this thread not finished (nor cancelled) yet:
-        # forks append and finishing threads pop, both atomic without a lock.
-        self.forks: deque[None] = deque()
-        self.elsewhere = False  # another thread started one of them
-        self.sharing = False  # it counts for its forks (rule 3)
-        self.anticipates = True  # rule 3: it computes beside its forks
-        self.forked_at = 0.0
-        self.is_blocked = False
-        self.counted = False
-        self.counted_since = 0.0
-
-    def _recount(self, reserved: bool = False, *, unused: bool = False) -> bool:
-        # Called with self.lock held. ``reserved``: a token the task that
-        # starts here took at its fork, which this thread takes over if it
-        # starts counting now; returns whether it did. ``unused``: if it
-        # stops counting, its share was never used (rule 4 does not wait).
-        counts = (self.sharing or self.running > 0) and not self.is_blocked
-        if counts != self.counted:
-            self.counted = counts
-            if counts:
-                self.counted_since = time.monotonic()
-                if reserved:
-                    return True
-                budget.take()
-            else:
-                budget.give_back(now=unused)
-        return False
-
-    # -- a task runs in this slot's thread --
-
-    def task_started(self, reserved: bool, forker: Slot | None, *, queued: bool = False) -> None:
-        """This thread starts a task (forked by ``forker``, a thread outside
-        the pools, or None); ``reserved`` if it holds a token from its fork,
-        ``queued`` if other tasks wait in its pool's queue."""
-        if forker is self:  # it waits for its own fork, and runs it
-            self._waits()
-            if reserved:
-                _reserved_not_needed(queued)
-            self.running_own += 1
-            if self.elsewhere and not self.sharing:  # it computes beside its other forks after all
-                with self.lock:
-                    self._share(anyway=True)
-            return
-        self.running += 1
-        # A thread that counts already (it is not blocked: it runs this task)
-        # goes on counting.
-        if reserved or not self.counted:
-            with self.lock:
-                took_over = self._recount(reserved)
-            if reserved and not took_over:
-                _reserved_not_needed(queued)
-        if forker is not None:
-            forker.fork_taken()
-        if budget.per_thread:
-            budget.apply_here()
-
-    def task_ended(self, forker: Slot | None, *, linger: bool = False) -> None:
-        """The task started by the matching :meth:`task_started` ended.
-
-        With ``linger`` (tasks are queued) a pool's worker keeps counting
-        until its next transition, which :meth:`went_idle` guarantees, so a
-        stream of tasks does not take and give back a token for each one.
-        Any other thread stops counting at once.
-        """
-        if forker is self:
-            self.running_own -= 1
-            self.fork_finished()
-            return
-        if forker is not None:
-            forker.fork_finished()
-        self.running -= 1
-        if not (linger and self.is_worker):
-            self._stop_unless_running()
-
-    def went_idle(self) -> None:
-        """This thread, a pool's worker, found no task to run."""
-        if self.counted and not self.running:
-            self._stop_unless_running()
-        else:
-            # It never counted: it was woken for a fork that another thread
-            # ran, and the others queued then had been run too (rule 3), so
-            # the share kept for it goes.
-            budget.follow()
-
-    def _stop_unless_running(self) -> None:
-        with self.lock:
-            self._recount()
-            idle = not self.counted
-        if idle and budget.per_thread:
-            budget.restore_here()
-
-    # -- forks made by this slot's thread (a thread outside the pools) --
-
-    def forked(self, woken: bool) -> None:
-        """This thread forked a task; ``woken`` if an idle worker was woken for it."""
-        self.forks.append(None)
-        self.forked_at = time.monotonic()
-        if woken and self.anticipates and not self.sharing:
-            with self.lock:
-                self._share()
-
-    def fork_taken(self) -> None:
-        """Another thread started one of this thread's forks."""
-        # Nothing changes once it is known to count for its forks, or known
-        # not to (it forks and waits, and runs none of them itself).
-        if self.elsewhere and (self.sharing or not (self.anticipates or self.running_own)):
-            return
-        with self.lock:
-            self.elsewhere = True
-            self._share(anyway=self.running_own > 0)
-
-    def _share(self, anyway: bool = False) -> None:
-        # Called with self.lock held.
-        if (anyway or self.anticipates) and not self.sharing:
-            self.sharing = True
-            self._recount()
-
-    def fork_finished(self) -> None:
-        """One of this thread's forks ended, or was cancelled before it started."""
-        forks = self.forks
-        forks.pop()
-        if not forks:
-            with self.lock:
-                if not forks:  # no fork came meanwhile
-                    self.elsewhere = False
-                    if self.sharing:
-                        self.sharing = False
-                        self._recount(unused=self._forked_and_waited())
-
-    def _forked_and_waited(self) -> bool:
-        """Whether it counts only for its forks (rule 3), and has for less than
-        WAITS_AT_ONCE: it forked and waited, and never used its share."""
-        return not self.running and time.monotonic() - self.counted_since < WAITS_AT_ONCE
-
-    def _waits(self) -> None:
-        """This thread waits for a future: rule 3 learns how it forks. Only
-        a wait at once with a single fork out is ``fork(f).wait()``: a thread
-        with several forks out goes on to run some of them itself."""
-        forks = len(self.forks)
-        if forks:
-            self.anticipates = forks > 1 or time.monotonic() - self.forked_at >= WAITS_AT_ONCE
-
-    # -- the waiter protocol: this slot's thread blocks in Future.wait --
-
-    def _idle(self) -> bool:
-        # Nothing of this thread counts, or can start to while it waits: no
-        # task of its own runs and none of its forks is out (so no other
-        # thread touches this slot), as for an event loop's thread.
-        return not (self.counted or self.running or self.forks)
-
-    def blocked(self) -> None:
-        if self._idle():
-            self.is_blocked = True
-            return
-        self._waits()
-        with self.lock:
-            counted, since = self.counted, self.counted_since
-            self.is_blocked = True
-            self._recount(unused=self._forked_and_waited())
-        if counted and time.monotonic() - since < _future._BLOCKED_LONG:
-            budget.follow()  # it waits at once: its cores go to what it waits for
-
-    def blocked_long(self) -> None:
-        budget.follow()
-
-    def resumed(self) -> None:
-        if self._idle():
-            self.is_blocked = False
-            return
-        with self.lock:
-            self.is_blocked = False
-            self._recount()
+    check_count(n, "num_threads(n): n", none="the automatic budget")
+    return _num_threads(n)
 
 
-def _reserved_not_needed(queued: bool) -> None:
-    """Give back the token of a fork whose woken worker did not run it (its
-    forker, or another thread that counts already, did). At once, unless
-    other tasks are queued: that worker takes one of them, and counts."""
-    budget.give_back(now=not queued)
-
-
-_local = threading.local()  # .slot: this thread's Slot
-
-
-def this_thread() -> Slot:
-    """The calling thread's slot; a thread outside the pools gets one on
-    first use, registered as its waiter unless it has one."""
-    slot = _local.__dict__.get("slot")
-    if slot is None:
-        slot = _local.slot = Slot(is_worker=False)
-        if _future.get_waiter() is None:
-            _future.set_waiter(slot)
-    return slot
-
-
-def worker_slot() -> Slot:
-    """A new slot for the calling thread, a pool's worker (its pool is its waiter)."""
-    slot = _local.slot = Slot(is_worker=True)
-    return slot
+@contextlib.contextmanager
+def _num_threads(n: int | None) -> Iterator[None]:
+    with budget.lock:
+        previous = budget.explicit, budget.explicit_from
+    budget.set_explicit(n, None if n is None else "num_threads")
+    try:
+        yield
+    finally:
+        budget.set_explicit(*previous)
 
 
 def _after_fork_in_child() -> None:
     # Only the forking thread survives in a child: nothing runs there yet,
     # and the lock may have been held by a thread that is gone.
-    global _local
     budget.lock = threading.Lock()
     budget.tokens = deque()
     budget.crowded_at = -math.inf
     budget.come_back_timer = None  # its thread is not in the child
-    _local = threading.local()
     if budget.attempted is not None:
         # The libraries may have the count of tasks that run on in the
         # parent only: the child has every thread at once.

@@ -19,12 +19,15 @@ from asyncio import _get_running_loop
 from collections import deque
 from collections.abc import Callable, Generator
 from types import FrameType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
-from . import _loop, _trace
+import sniffio
+
+from . import _loop, _trace, _waiter
 from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback
 from ._log import logger as _logger
+from ._waiter import Waiter, get_waiter, set_waiter
 
 __all__ = ["Future", "Waiter", "get_waiter", "set_waiter"]
 
@@ -35,52 +38,8 @@ PENDING, RUNNING, CANCELLED, FINISHED = 0, 1, 2, 3
 _STATE_NAMES = ("pending", "running", "cancelled", "finished")
 
 
-# Per-thread state: `deferred` holds the callbacks of futures settled while
-# this thread was already running callbacks (so long then() chains run in a
-# loop, not in nested calls); `waiter` is the Waiter that owns this thread.
-_local = threading.local()
-
-# BLAS and OpenMP pools spin for about 0.1 s after each call (OpenBLAS for
-# 2**28 cycles), so more threads for a shorter spell leave spinners behind
-# that cost the tasks sharing the cores more than the spell gained.
-_BLOCKED_LONG = 0.1
-
-_warned_blocking_loop = False
-
-
-class Waiter(Protocol):
-    """The owner of a thread, told when that thread blocks in :meth:`Future.wait`.
-
-    A pool registers one in each of its threads with :func:`set_waiter`, so a
-    worker that blocks on another task does not starve the pool (it lets
-    another worker run, or secedes from a cluster worker's thread count)
-    and does not hold on to its share of the cores.
-    """
-
-    def blocked(self) -> None:
-        """The thread is about to block until a future is done."""
-
-    def blocked_long(self) -> None:
-        """The thread has been blocked for ``_BLOCKED_LONG`` seconds and still is."""
-
-    def resumed(self) -> None:
-        """The thread stopped blocking (the future is done or the wait timed out)."""
-
-
-def set_waiter(waiter: Waiter | None) -> Waiter | None:
-    """Make ``waiter`` the owner of the calling thread; return the one it replaces.
-
-    ``None`` removes the owner. Every blocking wait in this thread calls
-    ``blocked``, then ``resumed`` (and ``blocked_long`` in between if it lasts).
-    """
-    previous = _local.__dict__.get("waiter")
-    _local.waiter = waiter
-    return previous
-
-
-def get_waiter() -> Waiter | None:
-    """The owner of the calling thread, or None."""
-    return _local.__dict__.get("waiter")
+_local = _waiter.local
+_sniffio_thread = sniffio.thread_local
 
 
 class Future(Generic[T], concurrent.futures.Future[T]):
@@ -250,6 +209,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             timeout = check_timeout(timeout)
         if self._state < CANCELLED and not self._block(timeout):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
+        if self._state == FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         return self.value()
 
     def result(self, timeout: float | None = None) -> T:
@@ -277,31 +238,41 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         return self._exception
 
     def _block(self, timeout: float | None) -> bool:
-        """Wait until done or ``timeout`` passes; True if done."""
+        """Wait until done or ``timeout`` passes; True if done.
+
+        Before it blocks, the calling thread runs the work it can: the
+        awaited task itself if it has not started and no timeout is given,
+        then (in a work-first pool's worker) the tasks it forked that are
+        still queued, newest first, with or without a timeout.
+        """
         if self._state >= CANCELLED:
             return True
-        if _loop.running_async_library() is not None:
-            _warn_blocking_loop()
+        if _get_running_loop() is not None or _sniffio_thread.name is not None:
+            _warn_blocking_loop()  # an event loop runs in this thread
         task = self._task
-        if task is not None:
-            if timeout is None and self._state == PENDING and task.stealable:
-                local = _local.__dict__
-                steals = local.get("steals", 0)
-                # A deep stack blocks instead, and the pool compensates, so
-                # deep recursion through fork/wait never hits the recursion limit.
-                if steals < _max_steals():
-                    local["steals"] = steals + 1
-                    try:
-                        task.run()  # does nothing unless it wins the claim
-                    finally:
-                        local["steals"] = steals
-                    if self._state >= CANCELLED:
-                        return True
-            if task.runs_on_this_thread():
-                raise RuntimeError(
-                    f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
-                    f"wait() would block for ever; use 'await fut' inside the loop instead"
-                )
+        local = _local.__dict__
+        owner = local.get("waiter")
+        run_own_forks = None if owner is None else getattr(owner, "run_own_forks", None)
+        steals = local.get("steals", 0)
+        # Work it runs nests in its stack: a deep stack blocks instead, and
+        # the pool compensates, so deep recursion through fork/wait never
+        # hits the recursion limit.
+        if steals < sys.getrecursionlimit() // _FRAMES_PER_STEAL:
+            local["steals"] = steals + 1
+            try:
+                if timeout is None and task is not None and task.stealable:
+                    task.run()  # does nothing unless it wins the claim
+                if run_own_forks is not None:
+                    run_own_forks(self)
+            finally:
+                local["steals"] = steals
+            if self._state >= CANCELLED:
+                return True
+        if task is not None and task.runs_on_this_thread():
+            raise RuntimeError(
+                f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
+                f"wait() would block for ever; use 'await fut' inside the loop instead"
+            )
         _drain_deferred_callbacks()  # they may be what settles this future
         if self._state >= CANCELLED:
             return True
@@ -314,20 +285,20 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 self._waiters = [waiter]
             else:
                 self._waiters.append(waiter)
-        owner = _local.__dict__.get("waiter")
         profiler = _trace.active
         started = time.perf_counter() if profiler is not None else 0.0
         done = False
+        blocked_long = _waiter.BLOCKED_LONG
         try:
             if owner is not None:
                 owner.blocked()
-            if owner is None or (timeout is not None and timeout <= _BLOCKED_LONG):
+            if owner is None or (timeout is not None and timeout <= blocked_long):
                 done = waiter.acquire(True, -1 if timeout is None else timeout)
             else:
-                done = waiter.acquire(True, _BLOCKED_LONG)
+                done = waiter.acquire(True, blocked_long)
                 if not done:
                     owner.blocked_long()
-                    rest = -1 if timeout is None else timeout - _BLOCKED_LONG
+                    rest = -1 if timeout is None else timeout - blocked_long
                     done = waiter.acquire(True, rest)
         finally:
             if owner is not None:
@@ -558,13 +529,9 @@ def _warn_blocking_loop() -> None:
     )
 
 
-def _max_steals() -> int:
-    """How many tasks a waiting thread may run nested in its own stack.
-
-    A stolen task adds about six frames; past this many, a waiter blocks
-    and lets the pool run the task, well clear of the recursion limit.
-    """
-    return sys.getrecursionlimit() // 12
+# A task a waiter runs adds about six frames to its stack: past a twelfth
+# of the recursion limit in nested steals, a waiter blocks instead.
+_FRAMES_PER_STEAL = 12
 
 
 class _Unretrieved:
@@ -587,11 +554,3 @@ class _Unretrieved:
                 self.future_repr,
                 exc_info=(type(exc), exc, exc.__traceback__),
             )
-
-
-def _after_fork_in_child() -> None:
-    # The forking thread's owner (a pool's worker, say) does not exist in the child.
-    _local.__dict__.pop("waiter", None)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

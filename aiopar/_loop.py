@@ -21,7 +21,7 @@ from typing import Any
 
 import sniffio
 
-from . import _future, _trace
+from . import _trace, _waiter
 from ._errors import CancelledError
 
 __all__ = [
@@ -56,7 +56,7 @@ class _Bridge:
     # A loop that runs inside a pool's thread (``asyncio.run`` in a forked
     # task) blocks that thread while it awaits forks, as a blocking wait
     # would: the thread's owner is told, so the pool can run the forks.
-    def awaiting(self, owner: _future.Waiter | None) -> _future.Waiter | None:
+    def awaiting(self, owner: _waiter.Waiter | None) -> _waiter.Waiter | None:
         """An await starts on this loop; ``owner`` is the loop thread's waiter.
         Returns the owner to hand to :meth:`awaited`, or None if none is told."""
         if owner is None:
@@ -67,7 +67,7 @@ class _Bridge:
             owner.blocked_long()  # nothing computes here meanwhile
         return owner
 
-    def awaited(self, owner: _future.Waiter) -> None:
+    def awaited(self, owner: _waiter.Waiter) -> None:
         self._awaiting -= 1
         if self._awaiting == 0:
             owner.resumed()
@@ -184,7 +184,7 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
 
         bridge = _bridge(loop, _asyncio_bridge)
         fut._add_callback(lambda _: bridge.post(wake))
-        owner = bridge.awaiting(_future.get_waiter())
+        owner = bridge.awaiting(_waiter.get_waiter())
         try:
             yield from waiter
         except asyncio.CancelledError:

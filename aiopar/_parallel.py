@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 
 from ._budget import budget
+from ._budget_slots import probe
 
 __all__ = ["in_parallel_region", "parallel_for"]
 
@@ -101,6 +102,7 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
         fn(begin, end)  # nested: this thread is one of the outer call's threads already
         return
     most_chunks = size // grain_size
+    probe()  # forked tasks count against the budget from now on, if BLAS is loaded
     n_threads = min(budget.target(), most_chunks) or 1
     _local.active = True
     try:

@@ -212,7 +212,24 @@ def blocking_calls():
         for _ in aiopar.as_completed([aiopar.fork(time.sleep, 0.01)]):
             pass
 
-    return [not_started, running, result, sync_as_completed]
+    def wait_all_runs_it():
+        # The one worker is held: wait_all runs the queued task on the loop's thread.
+        pool = aiopar.get_backend("thread", max_workers=1)
+        gate = threading.Event()
+        pool.fork(gate.wait, 5)
+        aiopar.wait_all([pool.fork(gate.set)])
+
+    def collect_all_wait():
+        aiopar.collect_all([aiopar.fork(time.sleep, 0.01)]).wait()
+
+    return [
+        not_started,
+        running,
+        result,
+        sync_as_completed,
+        wait_all_runs_it,
+        collect_all_wait,
+    ]
 
 
 @pytest.mark.parametrize("block", blocking_calls(), ids=lambda f: f.__name__)

@@ -11,6 +11,7 @@ from budget_helpers import once_alone
 from threadpoolctl import threadpool_info
 
 import aiopar
+from aiopar import _budget_slots
 from aiopar._budget import budget, cores
 from aiopar.backends.openmp import OpenMPBackend
 from aiopar.nn import LSTMEnsemble
@@ -62,6 +63,25 @@ def test_each_task_gets_every_intra_op_thread(lane):
 
     n, blas = lane.fork(once_alone(counts)).wait()
     assert n == cores() and blas == [cores()] * len(blas)
+
+
+def test_a_task_gets_every_intra_op_thread_while_its_forker_goes_on(lane):
+    # The forker computed beside its fork (it slept, then waited), and the
+    # task got a share as on the thread backend: 1 of 2 threads.
+    seen = []
+    checked = threading.Event()
+
+    def counts():
+        blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+        seen.append((aiopar.get_num_threads(), blas))
+        checked.set()
+
+    # As a thread that slept after its fork: rule 3 takes it to compute beside it.
+    _budget_slots.this_thread().anticipates = True
+    fut = lane.fork(counts)
+    assert checked.wait(10)  # not aiopar's wait: this thread is busy meanwhile
+    fut.wait(timeout=10)
+    assert seen == [(cores(), [cores()] * len(seen[0][1]))]
 
 
 def test_parallel_for_inside_a_task_uses_the_helpers(lane):

@@ -8,12 +8,12 @@ import time
 
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
-from budget_helpers import once_alone, settle
+from budget_helpers import late, once_alone, settle
 from helpers import python, run_python
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
-from aiopar import _budget
+from aiopar import _budget, _budget_slots
 from aiopar._budget import budget, cores
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
@@ -124,8 +124,10 @@ def test_a_worker_blocked_in_wait_gives_its_share_back():
     def inner():
         inner_started.set()
         deadline = time.monotonic() + 5
-        while budget.running > 1 and time.monotonic() < deadline:
-            time.sleep(0.001)  # until the outer task blocks in wait
+        # Until the outer task blocks in wait, and rule 4's timer (started
+        # when both counted) has given the libraries their threads back.
+        while (budget.running > 1 or late()) and time.monotonic() < deadline:
+            time.sleep(0.001)
         return seen()
 
     def outer():
@@ -143,10 +145,10 @@ def test_a_thread_that_computed_beside_its_fork_gives_its_cores_back_once_it_wai
 ):
     # The tail of a fork its forker waits for keeps its share for a while:
     # more BLAS threads for a short spell leave spinning threads behind.
-    import aiopar._future
+    from aiopar import _waiter
 
     long_wait = 0.5
-    monkeypatch.setattr(aiopar._future, "_BLOCKED_LONG", long_wait)
+    monkeypatch.setattr(_waiter, "BLOCKED_LONG", long_wait)
     share = cores() // 2
 
     def tail():
@@ -354,10 +356,29 @@ def test_rounds_of_tasks_in_quick_succession_keep_blas_shared_in_between(monkeyp
 
 @pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
 @pytest.mark.usefixtures("come_back_after_a_second")
+def test_threads_come_back_when_the_clock_says_rule_4s_wait_is_over(monkeypatch):
+    # The budget's clock, stepped by hand: no real time passes for rule 4.
+    now = [_budget.clock()]
+    monkeypatch.setattr(_budget, "clock", lambda: now[0])
+    share = [max(1, cores() // 2)] * len(blas_threads())
+    share_for_a_moment(seconds=0)
+    assert blas_threads() == share
+    now[0] += _budget.COME_BACK_AFTER / 2
+    budget.follow()
+    assert blas_threads() == share, "back before rule 4's wait was over"
+    now[0] += _budget.COME_BACK_AFTER
+    budget.follow()
+    assert blas_threads() == [cores()] * len(share)
+
+
+@pytest.mark.skipif(cores() < 2, reason="needs two cores for a budget to share")
+@pytest.mark.usefixtures("come_back_after_a_second")
 def test_a_forker_that_waits_at_once_gives_its_share_back_at_once(monkeypatch):
     # Its first fork counts it beside the fork (rule 3) for the moment until
     # it waits: that share was never used, and the fork gets every core.
-    monkeypatch.setattr(_budget, "WAITS_AT_ONCE", 1.0)  # "at once", however loaded the machine
+    monkeypatch.setattr(
+        _budget_slots, "WAITS_AT_ONCE", 1.0
+    )  # "at once", however loaded the machine
     assert run_in_new_thread(lambda: aiopar.fork(once_alone(seen)).wait()) == (
         cores(),
         [cores()] * len(blas_threads()),
@@ -378,7 +399,7 @@ def test_a_worker_that_waits_keeps_the_libraries_shared_for_the_next_task(monkey
         futs = [aiopar.fork(both.wait) for _ in range(2)]
         return [fut.wait() for fut in futs]
 
-    _budget.this_thread().anticipates = False  # this thread only waits (rule 3)
+    _budget_slots.this_thread().anticipates = False  # this thread only waits (rule 3)
     aiopar.fork(forks_and_waits).wait(timeout=10)  # a timeout: a worker runs it
     assert changes == [share]
     settle()
@@ -438,9 +459,14 @@ def test_a_fork_its_forker_waits_for_at_once_changes_blas_at_most_twice_in_100(m
 
     aiopar.fork(work).wait()  # workers started
     settle()
+    # Time stands still while it forks and waits: every wait is "at once"
+    # (rule 3's window), however loaded the machine.
+    now = [_budget.clock()]
+    monkeypatch.setattr(_budget, "clock", lambda: now[0])
     changes = count_blas_changes(monkeypatch)
     for _ in range(100):
         aiopar.fork(work).wait()
+    now[0] += 1.0  # then rule 4's come-back is due
     settle()
     assert len(changes) <= 2, changes
 
@@ -597,7 +623,7 @@ def test_openblas_setter_is_found_on_the_pinned_threadpoolctl():
     # loudly, not make the budget fall back silently.
     import threadpoolctl
 
-    from aiopar._budget import process_wide_setter
+    from aiopar._budget_libraries import process_wide_setter
 
     controller = threadpoolctl.ThreadpoolController()
     openblas = [lib for lib in controller.lib_controllers if lib.internal_api == "openblas"]
@@ -674,7 +700,7 @@ def test_a_threadpool_limit_in_another_thread_is_kept_and_reported():
 def test_a_count_set_through_the_librarys_own_api_is_kept_until_it_is_back():
     import threadpoolctl
 
-    from aiopar._budget import process_wide_setter
+    from aiopar._budget_libraries import process_wide_setter
 
     run_together(2, seen)
     libs = [
@@ -751,7 +777,7 @@ def test_threadpoolctl_tells_which_thread_holds_an_openblas_limit():
     # threadpool_limits block; a threadpoolctl that moves it must fail here.
     import threadpoolctl
 
-    from aiopar._budget import limiting_thread
+    from aiopar._budget_libraries import limiting_thread
 
     controller = threadpoolctl.ThreadpoolController()
     openblas = [lib for lib in controller.lib_controllers if lib.internal_api == "openblas"]
@@ -796,16 +822,15 @@ def test_set_num_threads_overrides_a_limit_set_elsewhere():
 def test_a_fork_that_ends_before_its_forker_is_told_leaves_no_share_behind(monkeypatch):
     # A woken worker may run a fork to its end before the forking thread's
     # slot hears of the fork; the forker must not count for it afterwards.
-    from aiopar import _budget
 
-    forked = _budget.Slot.forked
+    forked = _budget_slots.Slot.forked
 
     def told_late(slot, woken):
         time.sleep(0.02)
         forked(slot, woken)
 
     compute_beside_a_fork()
-    monkeypatch.setattr(_budget.Slot, "forked", told_late)
+    monkeypatch.setattr(_budget_slots.Slot, "forked", told_late)
     aiopar.wait_all([aiopar.fork(int, "1") for _ in range(2)])
     settle()
     assert seen() == (cores(), [cores()] * len(blas_threads()))
@@ -825,3 +850,21 @@ def test_a_thread_count_variable_that_is_not_a_count_is_said_to_be_ignored():
     out = python("-c", code, env=env, check=True).stdout
     assert out.splitlines()[0] == str(cores()), "the budget decides, as if it were unset"
     assert "note: OMP_NUM_THREADS='abc' is ignored: it is not a whole number >= 1" in out
+
+
+def test_num_threads_sets_the_count_for_a_block_and_restores_what_was_in_force():
+    assert aiopar.get_num_threads() == cores()  # the budget, no task running
+    with aiopar.num_threads(1):
+        assert seen() == (1, [1] * len(blas_threads()))
+        aiopar.set_num_threads(2)  # inside the block: the block restores over it
+    assert budget.explicit is None and seen() == (cores(), [cores()] * len(blas_threads()))
+    aiopar.set_num_threads(1)
+    try:
+        with aiopar.num_threads(None):  # the budget inside, the explicit count after
+            assert budget.explicit is None
+        assert budget.explicit == 1 and budget.explicit_from == "set_num_threads"
+        with pytest.raises(ValueError, match=r"num_threads\(n\): n must be a whole number >= 1"):
+            aiopar.num_threads(0)  # at the call, before any with
+        assert budget.explicit == 1
+    finally:
+        aiopar.set_num_threads(None)

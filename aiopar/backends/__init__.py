@@ -17,13 +17,14 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from .._future import Waiter, get_waiter, set_waiter
-from ._base import Backend, Task, check_count
+from .._waiter import Waiter, get_waiter, set_waiter
+from ._base import Backend, Task, at_exit, check_count
 
 __all__ = [
     "Backend",
     "Task",
     "Waiter",
+    "at_exit",
     "available_backends",
     "check_count",
     "create_backend",

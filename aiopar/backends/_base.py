@@ -11,6 +11,7 @@ waiter is skipped, so a backend needs no bookkeeping for either.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours, below
 import contextvars
 import functools
 import inspect
@@ -27,12 +28,14 @@ from .. import _loop, _trace
 from .._budget import check_count
 from .._errors import CancelledError
 from .._future import Future
+from .._log import logger as _logger
 
-__all__ = ["Backend", "Task", "check_count"]
+__all__ = ["Backend", "Task", "at_exit", "check_count"]
 
 T = TypeVar("T")
 
 _CO_COROUTINE = inspect.CO_COROUTINE
+_NO_KWARGS: dict[str, Any] = {}  # never changed: Task.call only unpacks it
 
 
 class Task:
@@ -120,6 +123,7 @@ class Task:
             error = CancelledError("interrupted by Ctrl-C while the main thread was running it")
             error.__cause__ = exception
             future._settle(None, error)
+            future._retrieve()  # the interrupt itself goes on up: nothing is unread
             raise exception
         future._settle(result, exception)
 
@@ -201,7 +205,9 @@ class Backend(ABC):
         ):
             _loop.start_coroutine(future, fn, args, kwargs, context)
             return future
-        task = self.task_class(future, fn, args, kwargs, context, self)
+        # A call without keywords keeps the shared empty dict, not its own:
+        # one object fewer for the garbage collector to count per fork.
+        task = self.task_class(future, fn, args, kwargs or _NO_KWARGS, context, self)
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)
@@ -234,6 +240,17 @@ class Backend(ABC):
         """Names of the tasks running now (for what interpreter exit waits for)."""
         return []
 
+    def drain(self) -> bool:
+        """Return once nothing is queued or running on this backend, which
+        stays open; True if there was something to wait for.
+
+        Interpreter exit drains every backend, again and again until none
+        had anything left, before any backend shuts down, so a queued task
+        may still fork on any backend. The default returns False at once: a
+        backend whose :meth:`shutdown` runs what is queued needs nothing more.
+        """
+        return False
+
     def __enter__(self) -> Backend:
         return self
 
@@ -247,28 +264,38 @@ class Backend(ABC):
 _live_backends: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 
-@atexit.register
-def _shutdown_all() -> None:
-    """At interpreter exit: run what was queued (coroutine forks on aiopar's
-    own loop too) and stop every worker, saying on stderr what exit waits
-    for once it has waited a second; Ctrl-C then exits at once. After an
-    uncaught KeyboardInterrupt, tasks that have not started never do."""
-    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+_exit_hooks: list[Callable[[], object]] = []
+
+
+def at_exit(fn: Callable[[], object]) -> None:
+    """Call ``fn()`` at interpreter exit once every backend has run what was
+    queued, and before any backend shuts down.
+
+    For a plugin's own exit work that queued tasks may still need until then
+    (an rpc agent leaving its peers, say). Hooks run in the reverse order of
+    registration, as :mod:`atexit` runs its own; what one raises is logged and
+    the others still run. After an uncaught KeyboardInterrupt they run at once:
+    tasks that have not started never do then.
+    """
+    if not callable(fn):
+        raise TypeError(f"at_exit() takes a callable, got {type(fn).__name__} {fn!r:.60}")
+    _exit_hooks.append(fn)
+
+
+def _interrupted() -> bool:
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+
+
+def _at_exit_stage(stage: Callable[[list[Backend]], None]) -> None:
+    """Run one stage of interpreter exit on the live backends, saying on
+    stderr what it waits for once it has waited a second; Ctrl-C then exits
+    at once."""
     backends = list(_live_backends)
     report = threading.Timer(1.0, _report_waiting, (backends,))
     report.daemon = True
     report.start()
     try:
-        if interrupted:
-            for backend in backends:
-                backend.shutdown(wait=False, cancel_pending=True)
-        # Coroutine forks may wait for tasks, and tasks for coroutine forks:
-        # the loop runs until the pools have stopped.
-        _loop.finish_owned_loop(cancel_pending=interrupted)
-        for backend in backends:
-            backend.shutdown(wait=True, cancel_pending=interrupted)
-        _loop.finish_owned_loop(cancel_pending=interrupted)
-        _loop.close_owned_loop()
+        stage(backends)
     except KeyboardInterrupt:
         sys.stderr.write("aiopar: interrupted again, exiting without waiting\n")
         sys.stderr.flush()
@@ -276,6 +303,55 @@ def _shutdown_all() -> None:
         os._exit(130)
     finally:
         report.cancel()
+
+
+def _drain_all(backends: list[Backend]) -> None:
+    """First stage of exit, while every thread and backend is still up: run
+    what is queued (coroutine forks on aiopar's own loop too) until nothing
+    is left anywhere, then the plugins' exit hooks."""
+    if not _interrupted():
+        # Tasks may fork on other backends and on the loop, and coroutine
+        # forks wait for tasks: round after round until all are quiet.
+        busy = True
+        while busy:
+            _loop.finish_owned_loop()
+            busy = False
+            for backend in backends:
+                busy = backend.drain() or busy
+    while _exit_hooks:
+        hook = _exit_hooks.pop()
+        try:
+            hook()
+        except Exception:
+            _logger.exception("exception in the aiopar exit hook %r", hook)
+
+
+def _shutdown_all(backends: list[Backend]) -> None:
+    """Last stage of exit: run what is left (forks made after the first
+    stage, by threads that ran on) and stop every worker. After an uncaught
+    KeyboardInterrupt, tasks that have not started never do."""
+    interrupted = _interrupted()
+    if interrupted:
+        for backend in backends:
+            backend.shutdown(wait=False, cancel_pending=True)
+    # Coroutine forks may wait for tasks, and tasks for coroutine forks:
+    # the loop runs until the pools have stopped.
+    _loop.finish_owned_loop(cancel_pending=interrupted)
+    for backend in backends:
+        backend.shutdown(wait=True, cancel_pending=interrupted)
+    _loop.finish_owned_loop(cancel_pending=interrupted)
+    _loop.close_owned_loop()
+
+
+# Draining runs where threading's own exit hooks do, before non-daemon
+# threads are joined and before any atexit handler (libraries such as
+# distributed close their clients in one); shutting down runs as an atexit
+# handler, after them. Those hooks run last registered first: registered
+# after concurrent.futures' own (which makes its executors refuse work, and
+# is registered when its thread module is first imported), the drain and the
+# plugins' hooks still find them taking work.
+threading._register_atexit(_at_exit_stage, _drain_all)  # type: ignore[attr-defined]
+atexit.register(_at_exit_stage, _shutdown_all)
 
 
 def _report_waiting(backends: list[Backend]) -> None:

@@ -11,10 +11,26 @@ well (large matrix products, big elementwise ufuncs); results agree with
 
 from __future__ import annotations
 
-from .. import _future
-from .thread import ThreadBackend
+from typing import Any
+
+from .._future import Future
+from .._waiter import get_waiter
+from .thread import ThreadBackend, _BudgetedTask
 
 __all__ = ["OpenMPBackend"]
+
+
+class _LaneTask(_BudgetedTask):
+    """A task only the lane (or its stand-in) runs: a thread outside the
+    pool that waits for it blocks instead of running it in place beside the
+    lane, out of order."""
+
+    __slots__ = ()
+
+    def claim(self) -> Future[Any] | None:
+        if getattr(get_waiter(), "pool", None) is not self.backend:
+            return None
+        return super().claim()
 
 
 class OpenMPBackend(ThreadBackend):
@@ -26,7 +42,8 @@ class OpenMPBackend(ThreadBackend):
       before it has finished (or blocked, below), and never in the thread
       that waits for it;
     * while a task runs alone it has every intra-op thread: the budget gives
-      it all the cores, or the count fixed by ``set_num_threads``;
+      it all the cores, or the count fixed by ``set_num_threads``, whatever
+      the thread that forked it does meanwhile;
     * a task that forks on this backend and waits for the result from inside
       the lane runs the awaited task itself if it has not started, as a call
       would; if the awaited task is already running elsewhere, or the wait has
@@ -35,12 +52,9 @@ class OpenMPBackend(ThreadBackend):
     """
 
     name = "openmp"
+    task_class = _LaneTask
+    # The lane's task has every intra-op thread, whatever its forker does meanwhile.
+    forker_counts = False
 
     def __init__(self) -> None:
         super().__init__(max_workers=1)
-
-    @property
-    def stealable(self) -> bool:  # type: ignore[override]
-        # Only the lane itself may run an awaited task in place: any other
-        # waiter would run it beside the lane, out of order.
-        return getattr(_future.get_waiter(), "pool", None) is self

@@ -1,9 +1,18 @@
-"""The "thread" backend (the default): a pool of interop worker threads.
+"""The "thread" backend (the default): a work-first pool of interop worker threads.
+
+Scheduling follows Java's ForkJoinPool, TBB and rayon. A task forked inside
+one of the pool's tasks goes to its worker's own deque; every other fork
+goes to the pool's shared queue. A worker takes its own deque newest first,
+then steals oldest first from the other workers' deques, then takes the
+shared queue oldest first: work already started is finished before new work
+begins, so the tasks a blocked task waits for are never stuck behind
+unrelated ones. A worker that waits first runs the queued tasks it forked
+itself, newest first (see :meth:`_Worker.run_own_forks`).
 
 Workers start lazily, up to ``max_workers``. A worker that blocks in
-``wait`` is counted out of the pool while it waits, and a compensating worker
-starts if work is queued, so nested fork/wait never starves the pool; surplus
-workers retire once the blocked ones come back. At most
+``wait`` is counted out of the pool while it waits, and a compensating
+worker starts if work is queued, so nested fork/wait never starves the pool;
+surplus workers retire once the blocked ones come back. At most
 ``COMPENSATION_LIMIT`` workers are added that way: past it, queued tasks wait
 for a worker to come back, as in a fixed-size pool. Each task counts against
 the intra-op thread budget (``aiopar._budget``) through its thread's slot.
@@ -16,9 +25,12 @@ import itertools
 import os
 import threading
 import weakref
+from typing import Any, ClassVar
 
-from .. import _budget, _future
-from .._loop import on_event_loop
+from .. import _budget, _budget_slots
+from .._budget_slots import Slot, probe, use_slot
+from .._future import CANCELLED, Future
+from .._waiter import set_waiter
 from ._base import Backend, Task, check_count
 
 __all__ = ["COMPENSATION_LIMIT", "ThreadBackend"]
@@ -27,37 +39,44 @@ __all__ = ["COMPENSATION_LIMIT", "ThreadBackend"]
 COMPENSATION_LIMIT = 64
 
 _backend_ids = itertools.count(1)
-_this_slot = _budget.this_thread
-_budget_give_back = _budget.budget.give_back
-_budget_take = _budget.budget.take
+
+# .worker: the _Worker running in this thread, if it is a pool's worker
+_current = threading.local()
 
 
 class _BudgetedTask(Task):
-    """A task of an in-process pool: its thread's budget slot counts it while
-    it runs. ``forker`` is the slot of the thread outside the pools that
-    forked it (it counts beside the task), ``reserved`` is true if the task
-    holds a budget token from its fork (an idle worker was woken for it)."""
+    """A task of an in-process pool, which reports to the budget's occupancy
+    hook while it has one: its thread's slot counts it while it runs.
+    ``forker`` is the slot of the thread outside the pools that forked it
+    (it counts beside the task), ``reserved`` is true if the task holds a
+    budget token from its fork (an idle worker was woken for it)."""
 
     __slots__ = ("forker", "reserved")
-    forker: _budget.Slot | None
+    backend: ThreadBackend
+    forker: Slot | None
     reserved: bool
+    stealable = True  # in-process: a waiter may run it
 
     def run(self) -> None:
         future = self.claim()
         if future is None:
             self.release_budget()  # if it was cancelled
             return
+        occupancy = _budget_slots.hook
+        if occupancy is None:  # no BLAS or OpenMP library: nothing to count
+            self.settle(future, self.call())
+            return
         forker, self.forker = self.forker, None
         reserved, self.reserved = self.reserved, False
-        slot = _this_slot()
-        # This task may still be in the queue, the one a waiter took out of turn.
-        slot.task_started(reserved, forker, queued=reserved and len(self.backend._tasks) > 1)  # type: ignore[attr-defined]
+        pool = self.backend
+        # This task may still be in a queue, the one a waiter took out of turn.
+        slot = occupancy.busy(reserved, forker, queued=reserved and pool._backlog() > 1)
         try:
             outcome = self.call()
         finally:
             # Uncounted before the future settles, so a waiter resumes with
             # the right count, unless a worker goes on to a queued task.
-            slot.task_ended(forker, linger=bool(self.backend._tasks))  # type: ignore[attr-defined]
+            slot.task_ended(forker, linger=bool(pool._tasks) or any(pool._queues))
         self.settle(future, outcome)
 
     def release_budget(self) -> None:
@@ -69,37 +88,60 @@ class _BudgetedTask(Task):
         with future._lock:
             forker, self.forker = self.forker, None
             reserved, self.reserved = self.reserved, False
-        if forker is not None:
-            forker.fork_finished()
-        if reserved:
-            _budget_give_back(now=True)
+        occupancy = _budget_slots.hook
+        if occupancy is not None:  # it is, if the fork took anything
+            occupancy.cancelled(forker, reserved)
 
 
 class _Worker:
-    """One worker thread: the waiter its pool registers in it, and what it runs."""
+    """One worker thread: its deque of forks, the waiter its pool registers
+    in it, and what it runs."""
 
-    __slots__ = ("pool", "slot", "task", "thread")
+    __slots__ = ("forks", "pool", "slot", "task", "thread")
 
-    def __init__(self, pool: ThreadBackend, thread: threading.Thread) -> None:
+    def __init__(self, pool: ThreadBackend) -> None:
         self.pool = pool
-        self.thread = thread
-        self.slot: _budget.Slot | None = None
+        # Tasks forked in this thread: it pops the newest, thieves the oldest.
+        self.forks: collections.deque[_BudgetedTask] = collections.deque()
+        self.slot = Slot(is_worker=True)
         self.task: Task | None = None  # the task it runs now, for exit reports
+        self.thread = threading.Thread(
+            target=pool._work,
+            args=(self,),
+            name=f"{pool._thread_names}-{next(pool._thread_ids)}",
+            daemon=True,
+        )
+
+    def run_own_forks(self, fut: Future[Any]) -> None:
+        """Before this thread blocks on ``fut``: run the tasks it forked that
+        are still queued, newest first, until ``fut`` is done or none is left.
+        What it waits for is among them unless another worker stole it."""
+        forks = self.forks
+        while forks and fut._state < CANCELLED:
+            try:
+                task = forks.pop()
+            except IndexError:  # a thief took the last one
+                return
+            task.run()
 
     def blocked(self) -> None:
-        self.slot.blocked()  # type: ignore[union-attr]
+        probe()
+        if _budget_slots.hook is not None:
+            self.slot.blocked()
         self.pool._worker_blocked()
 
     def blocked_long(self) -> None:
-        self.slot.blocked_long()  # type: ignore[union-attr]
+        if self.slot.is_blocked:
+            self.slot.blocked_long()
 
     def resumed(self) -> None:
         self.pool._worker_resumed()
-        self.slot.resumed()  # type: ignore[union-attr]
+        if self.slot.is_blocked:  # the hook was there when it blocked
+            self.slot.resumed()
 
 
 class ThreadBackend(Backend):
-    """Runs forked tasks on a pool of worker threads.
+    """Runs forked tasks on a work-first pool of worker threads.
 
     ``max_workers`` defaults to :func:`aiopar.get_num_interop_threads` and
     follows it when it changes; a number given here is kept for this pool.
@@ -107,6 +149,9 @@ class ThreadBackend(Backend):
 
     name = "thread"
     task_class = _BudgetedTask
+    #: whether a thread outside the pools counts beside its forks while it
+    #: does not wait (rule 3 of ``aiopar._budget``)
+    forker_counts: ClassVar[bool] = True
 
     def __init__(self, max_workers: int | None = None) -> None:
         check_count(max_workers, "max_workers", none="the default")
@@ -115,18 +160,24 @@ class ThreadBackend(Backend):
         self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
         self._reset()
         _live_pools.add(self)
+        probe()  # the budget listens from the first fork if BLAS is loaded already
 
     def _reset(self) -> None:
         """The state of a pool with no worker (also a fresh start in a forked child)."""
-        self._tasks: collections.deque[Task] = collections.deque()
+        self._tasks: collections.deque[_BudgetedTask] = collections.deque()  # the shared queue
+        # The workers' own deques, for thieves; replaced, never changed, so
+        # it is read without the lock.
+        self._queues: tuple[collections.deque[_BudgetedTask], ...] = ()
         # Each idle worker sleeps on a lock of its own, so a fork wakes exactly
         # one worker (a shared queue's lock wakes a second one that finds
         # nothing to do). The one idle longest goes first: waking the one that
         # has only just gone to sleep made a sequential `await fork(f)` twice
         # as slow on a 2-core VM.
         self._idle: collections.deque[threading.Lock] = collections.deque()
-        self._waking = 0  # idle workers woken that have not looked at the queue yet
+        self._waking = 0  # idle workers woken that have not looked at the queues yet
         self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)  # notified for drain()
+        self._draining = 0  # threads in drain()
         self._workers: set[_Worker] = set()
         self._blocked = 0  # workers waiting in Future.wait
         self._thread_ids = itertools.count()  # names stay unique as workers come and go
@@ -135,30 +186,46 @@ class ThreadBackend(Backend):
     def max_workers(self) -> int:
         return self._max_workers or _budget.interop_threads
 
+    def _backlog(self) -> int:
+        """Tasks queued, in the shared queue and the workers' deques (some
+        may have been run out of turn by a waiter already)."""
+        return len(self._tasks) + sum(map(len, self._queues))
+
     def submit(self, task: Task) -> None:
-        slot = _this_slot()
-        # A worker counts already, and an event loop's thread awaits its
-        # forks rather than computing beside them: neither counts for a fork.
-        forker = None if slot.is_worker or on_event_loop() else slot
+        if not isinstance(task, _BudgetedTask):
+            raise TypeError(f"{type(self).__name__} runs {_BudgetedTask.__name__}s only")
+        # Not getattr(_current, "worker", None): on a thread-local, a missing
+        # attribute costs an AttributeError raised and caught, ten times this.
+        worker: _Worker | None = _current.__dict__.get("worker")
+        # Work-first: a task of this pool forks into its worker's own deque.
+        queue = worker.forks if worker is not None and worker.pool is self else self._tasks
         lock = self._lock
         lock.acquire()  # not "with": it would cost as much as the lock, once per fork
         try:
-            if self._closed:
+            # A task of this pool may fork on it while it drains after shutdown.
+            if self._closed and queue is self._tasks:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
             # Workers take queued tasks without the lock, so everything about
             # the task is settled before it is queued.
-            reserved = (
-                len(self._tasks) >= self._waking
+            woken = (
                 # _wake_worker's own test, first: a busy pool's forks skip the call.
-                and (self._idle or len(self._workers) - self._blocked < self.max_workers)
+                (
+                    self._idle
+                    or len(self._workers) - self._blocked
+                    < (self._max_workers or _budget.interop_threads)  # max_workers, inline
+                )
+                # No more wake-ups than queued tasks.
+                and (not self._waking or self._backlog() >= self._waking)
                 and self._wake_worker()
             )
-            if reserved:
-                _budget_take()
-            if forker is not None:  # before a worker can finish the task
-                forker.forked(woken=reserved)
-            task.forker, task.reserved = forker, reserved  # type: ignore[attr-defined]
-            self._tasks.append(task)
+            occupancy = _budget_slots.hook
+            if occupancy is None:
+                task.forker, task.reserved = None, False
+            else:  # before a worker can finish the task
+                # A worker counts already, and so does not count for a fork.
+                counts = worker is None and self.forker_counts
+                task.forker, task.reserved = occupancy.forked(woken, counts), woken
+            queue.append(task)
         finally:
             lock.release()
 
@@ -174,53 +241,82 @@ class ThreadBackend(Backend):
             self.max_workers + COMPENSATION_LIMIT
         ):
             return False
-        thread = threading.Thread(
-            target=self._work,
-            name=f"{self._thread_names}-{next(self._thread_ids)}",
-            daemon=True,
-        )
-        worker = _Worker(self, thread)
-        thread._aiopar_worker = worker  # type: ignore[attr-defined]
+        worker = _Worker(self)
         self._workers.add(worker)
+        self._queues = (*self._queues, worker.forks)
         try:
-            thread.start()
+            worker.thread.start()
         except RuntimeError:  # "can't start new thread": the limit of this system
-            self._workers.discard(worker)
+            self._remove(worker)
             if not self._workers:
                 raise
             return False  # the workers there are will take the task
         return True
 
-    def _work(self) -> None:
-        worker: _Worker = threading.current_thread()._aiopar_worker  # type: ignore[attr-defined]
-        worker.slot = _budget.worker_slot()
-        _future.set_waiter(worker)
+    def _remove(self, worker: _Worker) -> None:
+        # Called with self._lock held, for a worker whose deque is empty.
+        self._workers.discard(worker)
+        self._queues = tuple(q for q in self._queues if q is not worker.forks)
+        if self._draining:
+            self._quiet.notify_all()
+
+    def _work(self, worker: _Worker) -> None:
+        _current.worker = worker
+        use_slot(worker.slot)
+        set_waiter(worker)
+        probe()
         try:
             self._run_tasks(worker)
         finally:
-            worker.slot.went_idle()  # a worker that lingered stops counting as it stops
+            if _budget_slots.hook is not None:
+                worker.slot.went_idle()  # a worker that lingered stops counting as it stops
+
+    def _next_task(self, forks: collections.deque[_BudgetedTask]) -> _BudgetedTask | None:
+        """Its own newest fork, else the oldest task stolen from another
+        worker, else the oldest in the shared queue; None if all are empty."""
+        # Each deque is looked at before it is popped: an empty one's
+        # IndexError costs more than the look. The pop may still find it
+        # empty: its owner, or another thief, took the last task meanwhile.
+        if forks:
+            try:
+                return forks.pop()
+            except IndexError:
+                pass
+        for queue in (*self._queues, self._tasks):
+            if queue:
+                try:
+                    return queue.popleft()
+                except IndexError:
+                    pass
+        return None
 
     def _run_tasks(self, worker: _Worker) -> None:
-        tasks = self._tasks
         slot = worker.slot
         wake_up = threading.Lock()
         wake_up.acquire()
         while True:
             # Over the limit (it went down, or a blocked worker came back):
             # stop before taking another task.
-            if len(self._workers) - self._blocked > self.max_workers and self._retire(worker):
+            if (
+                len(self._workers) - self._blocked
+                > (self._max_workers or _budget.interop_threads)  # max_workers, inline
+                and self._retire(worker)
+            ):
                 return
-            try:
-                task = tasks.popleft()
-            except IndexError:
-                slot.went_idle()  # type: ignore[union-attr]
+            task = self._next_task(worker.forks)
+            if task is None:
+                probe()
+                if _budget_slots.hook is not None:
+                    slot.went_idle()
                 with self._lock:
-                    if tasks:
+                    if self._backlog():
                         continue
                     if self._closed:
-                        self._workers.discard(worker)
+                        self._remove(worker)
                         return
                     self._idle.append(wake_up)
+                    if self._draining and self._is_quiet():
+                        self._quiet.notify_all()
                 wake_up.acquire()  # released by the fork that has work for it
                 with self._lock:
                     self._waking -= 1
@@ -233,10 +329,10 @@ class ThreadBackend(Backend):
     def _retire(self, worker: _Worker) -> bool:
         """Stop this worker if the pool has more than its limit; True if so."""
         with self._lock:
-            if len(self._workers) - self._blocked <= self.max_workers:
+            if len(self._workers) - self._blocked <= self.max_workers or worker.forks:
                 return False
-            self._workers.discard(worker)
-            if self._tasks:
+            self._remove(worker)
+            if self._backlog():
                 self._wake_worker()  # the wake-up that came here was for a task
             return True
 
@@ -245,34 +341,68 @@ class ThreadBackend(Backend):
     def _worker_blocked(self) -> None:
         with self._lock:
             self._blocked += 1
-            if self._tasks:
+            if self._backlog():
                 self._wake_worker()
 
     def _worker_resumed(self) -> None:
         with self._lock:
             self._blocked -= 1
 
+    def _is_quiet(self) -> bool:
+        # Called with self._lock held: nothing queued, every worker asleep.
+        return not self._backlog() and len(self._idle) == len(self._workers)
+
+    def drain(self) -> bool:
+        with self._lock:
+            if self._is_quiet():
+                return False
+            self._draining += 1
+            try:
+                while not self._is_quiet():
+                    self._quiet.wait()
+            finally:
+                self._draining -= 1
+        return True
+
     def running_tasks(self) -> list[str]:
         return [task.name for w in list(self._workers) if (task := w.task) is not None]
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
+        """Stop accepting forks from outside the pool and release the workers.
+
+        Queued tasks still run (and may fork on this pool meanwhile) unless
+        ``cancel_pending`` is true; then their futures are cancelled, outside
+        the pool's lock, so a cancel callback may fork or wait anywhere.
+        """
         with self._lock:
+            queued: list[_BudgetedTask] = []
             if cancel_pending:
-                while self._tasks:
-                    task = self._tasks.popleft()
-                    if task.future is not None:
-                        task.future.cancel()
-                    task.release_budget()  # type: ignore[attr-defined]
+                for queue in (self._tasks, *self._queues):
+                    while queue:
+                        try:
+                            queued.append(queue.popleft())
+                        except IndexError:
+                            break
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
                 self._idle.popleft().release()
                 self._waking += 1
             threads = [worker.thread for worker in self._workers]
+        _cancel(queued)
         if wait:
             me = threading.current_thread()
             for thread in threads:
                 if thread is not me:
                     thread.join()
+
+
+def _cancel(tasks: list[_BudgetedTask]) -> None:
+    """Cancel the futures of tasks taken off the queues (unless they started)."""
+    for task in tasks:
+        future = task.future
+        if future is not None:
+            future.cancel()
+        task.release_budget()
 
 
 _live_pools: weakref.WeakSet[ThreadBackend] = weakref.WeakSet()
@@ -282,8 +412,9 @@ def _after_fork_in_child() -> None:
     # Only the forking thread lives on in a child: every pool starts afresh.
     # Queued tasks are the parent's to run; here their futures are cancelled,
     # so nothing in the child waits for them for ever.
+    _current.__dict__.pop("worker", None)
     for pool in list(_live_pools):
-        queued = pool._tasks
+        queued = [task for queue in (pool._tasks, *pool._queues) for task in queue]
         pool._reset()
         for task in queued:
             if task.future is not None:

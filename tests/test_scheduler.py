@@ -1,0 +1,241 @@
+"""The thread pool's work-first order, and the loads it must not deadlock under.
+
+Order tests are event-based: a pool of one or two workers is held on gates
+so each queue's content is known when a worker next looks. Load tests run in
+a subprocess with a timeout (a regression fails instead of stalling) and
+check the issue's bounds: within 3x the ideal time, with at most
+``max_workers + COMPENSATION_LIMIT`` pool threads.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import run_python
+
+import aiopar
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_forks_made_in_a_pool_task_run_newest_first():
+    ran: list[str] = []
+
+    def parent() -> None:
+        for name in "abc":
+            aiopar.fork(ran.append, name)
+
+    with aiopar.use_backend("thread", max_workers=1) as pool:
+        pool.fork(parent).wait(timeout=10)
+        pool.fork(lambda: None).wait(timeout=10)  # after the forks, on the one worker
+    assert ran == ["c", "b", "a"]
+    pool.shutdown()
+
+
+def test_forks_from_outside_the_pool_run_oldest_first():
+    ran: list[str] = []
+    gate = threading.Event()
+    with aiopar.use_backend("thread", max_workers=1) as pool:
+        held = pool.fork(gate.wait, 10)
+        futures = [pool.fork(ran.append, name) for name in "abc"]
+        gate.set()
+        held.wait(timeout=10)
+        for fut in futures:
+            fut.wait(timeout=10)
+    assert ran == ["a", "b", "c"]
+
+
+def test_a_free_worker_steals_a_blocked_tasks_fork_before_the_shared_queue():
+    ran: list[str] = []
+    hold_first, fork_now, forked, hold_forker = (threading.Event() for _ in range(4))
+
+    def forker() -> None:
+        fork_now.wait(10)
+        aiopar.fork(ran.append, "stolen")  # into this worker's own deque
+        forked.set()
+        hold_forker.wait(10)  # blocked, but not in wait(): nothing runs its forks
+
+    with aiopar.use_backend("thread", max_workers=2) as pool:
+        first = pool.fork(hold_first.wait, 10)
+        second = pool.fork(forker)
+        shared = pool.fork(ran.append, "shared")  # both workers are busy: it queues
+        fork_now.set()
+        assert forked.wait(10)
+        hold_first.set()  # the first worker is free with both queued
+        shared.wait(timeout=10)
+        hold_forker.set()
+        for fut in (first, second):
+            fut.wait(timeout=10)
+    assert ran == ["stolen", "shared"]
+
+
+def test_a_worker_that_waits_with_a_timeout_runs_its_own_forks_newest_first():
+    def parent() -> tuple[list[str], int]:
+        ran: list[str] = []
+        here = threading.get_ident()
+        where: list[int] = []
+
+        def child(name: str) -> None:
+            ran.append(name)
+            where.append(threading.get_ident())
+
+        a, b, c = (aiopar.fork(child, name) for name in "abc")
+        b.wait(timeout=10)  # runs c, then b; a stays queued
+        seen = list(ran)
+        a.wait(timeout=10)
+        c.wait(timeout=10)
+        return seen + ran, sum(w == here for w in where)
+
+    # max_workers=1: the only worker is the waiter, so no thief takes a fork.
+    with aiopar.use_backend("thread", max_workers=1) as pool:
+        order, on_the_waiter = pool.fork(parent).wait(timeout=10)
+    assert order == ["c", "b", "c", "b", "a"]
+    assert on_the_waiter == 3
+
+
+BLOCKERS = """
+import sys, threading, time, aiopar
+from aiopar.backends.thread import COMPENSATION_LIMIT
+
+form = sys.argv[1]
+peak = 0
+
+def leaf():
+    global peak
+    # Pool threads only: the main thread and aiopar's loop thread are not the pool's.
+    peak = max(peak, sum(t.name.startswith("aiopar-thread-") for t in threading.enumerate()))
+    time.sleep(0.01)
+    return 1
+
+def blocker():
+    fut = aiopar.fork(leaf)
+    return fut.wait() if form == "wait" else fut.wait(timeout=60)
+
+async def coroutine_blocker():
+    return await aiopar.fork(leaf)
+
+fn = coroutine_blocker if form == "await" else blocker
+n, workers = 1000, 2
+started = time.perf_counter()
+with aiopar.use_backend("thread", max_workers=workers):
+    futures = [aiopar.fork(fn) for _ in range(n)]
+    total = sum(f.wait(timeout=50) for f in futures)
+elapsed = time.perf_counter() - started
+ideal = n * 0.01 / workers
+assert total == n, total
+assert elapsed <= 3 * ideal, f"{elapsed:.1f} s, ideal {ideal:.1f} s"
+assert peak <= workers + COMPENSATION_LIMIT, peak
+print("ok", round(elapsed / ideal, 2), peak)
+"""
+
+
+@pytest.mark.parametrize("form", ["timeout", "wait", "await"])
+def test_a_thousand_blockers_each_waiting_on_a_leaf_finish_on_two_workers(form):
+    # The issue's program: with a FIFO queue and wait(timeout=...), 66 threads
+    # blocked on leaves queued behind 934 more blockers until the timeouts.
+    done = run_python(BLOCKERS, form, timeout=55)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok"), done.stdout
+
+
+PROCESS_BLOCKERS = """
+import sys, time, aiopar
+
+def leaf():
+    time.sleep(0.01)
+    return 1
+
+def blocker(form):
+    fut = aiopar.fork(leaf)  # inside the worker process, on its own thread pool
+    return fut.wait() if form == "wait" else fut.wait(timeout=60)
+
+if __name__ == "__main__":
+    form = sys.argv[1]
+    n, workers = 1000, 2
+    with aiopar.use_backend("process", max_workers=workers):
+        aiopar.fork(leaf).wait(timeout=30)  # the workers are up: time the blockers only
+        started = time.perf_counter()
+        futures = [aiopar.fork(blocker, form) for _ in range(n)]
+        total = sum(f.wait(timeout=50) for f in futures)
+        elapsed = time.perf_counter() - started
+    ideal = n * 0.01 / workers
+    assert total == n, total
+    assert elapsed <= 3 * ideal, f"{elapsed:.1f} s, ideal {ideal:.1f} s"
+    print("ok", round(elapsed / ideal, 2))
+"""
+
+
+@pytest.mark.parametrize("form", ["timeout", "wait"])
+def test_a_thousand_blockers_on_the_process_backend_finish(tmp_path, form):
+    script = tmp_path / "blockers.py"
+    script.write_text(PROCESS_BLOCKERS)
+    done = run_python(
+        f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", form, timeout=55
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok"), done.stdout
+
+
+def test_a_hundred_pool_tasks_each_running_an_event_loop_that_awaits_a_fork():
+    # Each task's loop blocks its worker while it awaits: the fork it awaits
+    # sits in that worker's deque, and a compensating worker steals it
+    # before it starts another loop.
+    done = run_python(
+        """
+        import asyncio, aiopar
+
+        def child():
+            return 1
+
+        async def parent():
+            return await aiopar.fork(child)
+
+        def task():
+            return asyncio.run(parent())
+
+        with aiopar.use_backend("thread", max_workers=2):
+            futures = [aiopar.fork(task) for _ in range(100)]
+            print(sum(f.wait(timeout=40) for f in futures))
+        """,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["100"]
+
+
+def test_shutdown_cancels_outside_the_pool_lock_so_a_cancel_callback_may_fork():
+    # The callback ran under the pool's lock, and its fork waited for that lock.
+    done = run_python(
+        """
+        import threading, aiopar
+
+        pool = aiopar.get_backend("thread", max_workers=1)
+        started, gate = threading.Event(), threading.Event()
+
+        def hold():
+            started.set()
+            return gate.wait(10)
+
+        held = pool.fork(hold)
+        assert started.wait(10)  # the one worker is busy: the next task queues
+        queued = pool.fork(lambda: 1)
+        said = []
+
+        def on_cancel(fut):
+            try:
+                pool.fork(lambda: 2)
+            except RuntimeError as exc:
+                said.append(str(exc))
+
+        queued.add_done_callback(on_cancel)
+        pool.shutdown(wait=False, cancel_pending=True)
+        gate.set()
+        pool.shutdown()
+        assert queued.cancelled() and held.wait(timeout=10) is True
+        print(said)
+        """,
+        timeout=20,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "shut down" in done.stdout
