@@ -3,7 +3,8 @@
 The scheduler is the phone book (each peer's name, rank and rpc port). A
 call goes on the :class:`~._link.Link` to its callee, connected on first
 use. The callee runs each call in its worker's thread pool; a call blocked
-in ``wait`` leaves the pool after 0.1 s, and an ``async_execution`` call
+in ``wait`` leaves the pool after 0.1 s (so another thread takes its place),
+at most :data:`COMPENSATION_LIMIT` at once, and an ``async_execution`` call
 holds no thread while its future is pending.
 """
 
@@ -33,7 +34,19 @@ from ._worker import Seceder
 if TYPE_CHECKING:
     from ._peer import Peer
 
-__all__ = ["DaskRpcAgent", "close_peer", "polls"]
+__all__ = ["COMPENSATION_LIMIT", "DaskRpcAgent", "close_peer", "polls"]
+
+COMPENSATION_LIMIT = 64
+"""How many calls blocked in ``wait`` a peer replaces in its thread pool at once.
+
+A call that has waited 0.1 s leaves the pool, and a new thread takes its
+place, so calls that wait on each other do not deadlock a small pool. Past
+this many, a blocked call keeps its pool thread: a peer runs calls in at
+most ``num_worker_threads + COMPENSATION_LIMIT`` threads, and a chain of
+nested blocking calls deeper than that through one peer waits for its
+timeout (``@async_execution`` functions hold no thread while they wait).
+As :data:`aiopar.backends.thread.COMPENSATION_LIMIT` does for a thread pool.
+"""
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
 _POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
@@ -51,6 +64,7 @@ class DaskRpcAgent(RpcAgent):
         self._links: dict[str, Link] = {}  # by callee name
         self._settler = Settler("rpc")
         self._timeouts = Timeouts()
+        self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
         self._listener: _wire.Listener | None = None
         self._stopped: BaseException | None = None
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
@@ -195,7 +209,7 @@ class DaskRpcAgent(RpcAgent):
 
     def _run_call(self, connection: _wire.Connection, call_id: int, frames: Any) -> None:
         """In a worker thread: run one call and reply (for a Future, once it is done)."""
-        previous = set_waiter(Seceder(is_task=False))
+        previous = set_waiter(_CallWaiter(self._compensation))
         # As in a dask task, distributed.get_worker() and get_client() work
         # here (dask's actors set the same context variable).
         token = _worker_context.set(self._worker)
@@ -264,6 +278,30 @@ class DaskRpcAgent(RpcAgent):
             leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
             if joined <= set(leaving):
                 return
+
+
+class _CallWaiter(Seceder):
+    """The waiter of a thread that runs a call: it leaves the pool once
+    blocked long, while the peer has compensation left."""
+
+    __slots__ = ("_compensation",)
+
+    def __init__(self, compensation: threading.BoundedSemaphore) -> None:
+        super().__init__(is_task=False)
+        self._compensation = compensation
+
+    def blocked_long(self) -> None:
+        if self._seceded or not self._compensation.acquire(blocking=False):
+            return
+        super().blocked_long()
+        if not self._seceded:  # not a pool thread: nothing to replace
+            self._compensation.release()
+
+    def resumed(self) -> None:
+        seceded = self._seceded
+        super().resumed()
+        if seceded:
+            self._compensation.release()
 
 
 # -- replies -----------------------------------------------------------------------------------

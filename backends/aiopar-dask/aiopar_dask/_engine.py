@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import signal
 import threading
 import time
@@ -28,6 +29,7 @@ from aiopar.rpc.agent import RpcBackendOptions, set_current_agent
 from ._agent import DaskRpcAgent, close_peer, polls
 from ._cluster import LOOPBACK, protocol_for
 from ._peer import Peer
+from ._reach import check_scheduler
 
 __all__ = ["rpc_engine"]
 
@@ -173,6 +175,8 @@ async def _start(
         )
         await cluster
         address = cluster.scheduler_address
+    else:
+        await check_scheduler(address, options.security, options.rpc_timeout)
     peer = await _start_peer(address, name, rank, True, options, parts)
     agent = peer.rpc_agent
     agent.cluster = parts.cluster
@@ -245,6 +249,7 @@ class _Engine:
         self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
     ) -> DaskRpcAgent:
         """Make this process the peer ``name`` (``init_rpc``)."""
+        _check_security(options.security)
         runner = _LoopThread()
         parts = _Parts()
         try:
@@ -261,6 +266,7 @@ class _Engine:
     ) -> None:
         """Run the peer ``name`` on ``scheduler`` in this process until it is
         interrupted (SIGINT, SIGTERM) or the scheduler goes away."""
+        _check_security(options.security)
 
         async def main() -> None:
             peer = await _start_peer(scheduler, name, rank, False, options)
@@ -275,6 +281,14 @@ class _Engine:
             await peer.close(reason="aiopar worker stopped")
 
         asyncio.run(main())
+
+
+def _check_security(security: object) -> None:
+    if security is not None and not isinstance(security, Security):
+        raise TypeError(
+            f"the security of aiopar-dask's rpc_backend_options is a distributed.Security "
+            f"(such as Security.temporary()) or None, got {type(security).__name__}"
+        )
 
 
 def _undo(runner: _LoopThread, parts: _Parts) -> None:
@@ -294,6 +308,17 @@ rpc_engine = _Engine()
 
 
 _started: weakref.WeakSet[DaskRpcAgent] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: its parent's peers are not its own
+    to leave at exit (their loop threads do not exist here, and their
+    sockets stay the parent's: the child neither uses nor shuts them)."""
+    global _started
+    _started = weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _leave_at_exit() -> None:
