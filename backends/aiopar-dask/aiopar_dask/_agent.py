@@ -67,6 +67,7 @@ class DaskRpcAgent(RpcAgent):
         self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
         self._listener: _wire.Listener | None = None
         self._stopped: BaseException | None = None
+        self._scheduler_gone: str | None = None  # why the peers cannot be looked up
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
         self.on_close: Callable[[], None] | None = None
 
@@ -87,17 +88,23 @@ class DaskRpcAgent(RpcAgent):
 
     def peer(self, to: str | int) -> WorkerInfo:
         found = self._lookup(to)
-        if found is None:
+        if found is None and self._scheduler_gone is None:
             self._run(self._refresh_peers())
             found = self._lookup(to)
         if found is None:
             listing = ", ".join(f"{info.name} (id {info.id})" for info in self.peers()) or "none"
             what = f"called {to!r}" if isinstance(to, str) else f"with id {to}"
+            if self._scheduler_gone is not None:
+                raise ValueError(
+                    f"this peer knows no rpc peer {what}, and cannot look it up: "
+                    f"{self._scheduler_gone}; the peers it knows are: {listing}"
+                )
             raise ValueError(f"there is no rpc peer {what}; the peers are: {listing}")
         return found[0]
 
     def peers(self) -> list[WorkerInfo]:
-        self._run(self._refresh_peers())
+        if self._scheduler_gone is None:  # else: the peers known when it went
+            self._run(self._refresh_peers())
         with self._lock:
             return sorted((p[0] for p in self._peers.values()), key=lambda info: info.id)
 
@@ -135,14 +142,20 @@ class DaskRpcAgent(RpcAgent):
 
     def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
         deadline = None if not timeout else time.monotonic() + timeout
-        if graceful:
-            self._run(self._leave_together(deadline), timeout=None)
-        self._run(close_peer(self._worker, self.cluster), timeout=None)
-        self._join()
-        if self.on_close is not None:
-            self.on_close()
+        try:
+            if graceful:
+                self._run(self._leave_together(deadline), timeout=None)
+            self._run(close_peer(self._worker, self.cluster), timeout=None)
+        finally:  # whatever failed above, no thread of this peer stays
+            self._join()
+            if self.on_close is not None:
+                self.on_close()
 
     # -- the caller's side -------------------------------------------------------------
+
+    def _lose_scheduler(self, reason: str) -> None:
+        """The scheduler is gone: the peers known now are all this peer will know."""
+        self._scheduler_gone = reason
 
     def _lookup(self, to: str | int) -> tuple[WorkerInfo, str, int] | None:
         with self._lock:
@@ -264,14 +277,24 @@ class DaskRpcAgent(RpcAgent):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     async def _leave_together(self, deadline: float | None) -> None:
-        """Graceful shutdown: this peer's calls finish, then every peer that joined leaves."""
+        """Graceful shutdown: this peer's calls finish, then every peer that
+        joined leaves (without a scheduler to meet at, this one alone)."""
         while any(link.pending for link in list(self._links.values())):
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(_POLL)
+        if self._scheduler_gone is None:
+            try:
+                await self._meet_the_others(deadline)
+            except OSError as exc:  # the scheduler went meanwhile
+                self._lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
+
+    async def _meet_the_others(self, deadline: float | None) -> None:
         scheduler = self._worker.scheduler
         await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._worker.rpc_token], value=1)
         async for _ in polls(deadline):
+            if self._scheduler_gone is not None:
+                return
             identity = await scheduler.identity(n_workers=-1)
             workers = identity["workers"].values()
             joined = {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}

@@ -215,3 +215,73 @@ def test_joining_an_address_without_a_scheduler_fails_in_time_saying_what_is_the
                 print(address in str(exc) and found in str(exc) and elapsed < 10 or exc)
     """
     assert run(script, 120) == ["True"] * 4
+
+
+def test_peers_that_know_each_other_outlive_their_scheduler():
+    # The scheduler and peer b are processes of their own; this script is
+    # peer a. The scheduler is killed while a's call to b is in flight.
+    script = """
+        import os, signal, subprocess, sys, time
+        import numpy as np
+
+        SCHEDULER = '''
+        import asyncio, distributed
+        async def main():
+            async with distributed.Scheduler(
+                host="127.0.0.1", port=0, dashboard=False, dashboard_address="127.0.0.1:0"
+            ) as s:
+                print(s.address, flush=True)
+                await s.finished()
+        asyncio.run(main())
+        '''
+        PEER = '''
+        import sys
+        from aiopar import rpc
+        options = rpc.RpcBackendOptions(init_method=sys.argv[1])
+        rpc.init_rpc("b", world_size=2, rpc_backend_options=options)
+        sys.stdin.read()  # until a closes it
+        rpc.shutdown()
+        print("b left", flush=True)
+        '''
+        scheduler = subprocess.Popen(
+            [sys.executable, "-c", SCHEDULER], stdout=subprocess.PIPE, text=True
+        )
+        address = scheduler.stdout.readline().strip()
+        b = subprocess.Popen(
+            [sys.executable, "-c", PEER, address],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        options = rpc.RpcBackendOptions(init_method=address, rpc_timeout=30)
+        rpc.init_rpc("a", world_size=2, rpc_backend_options=options)
+        agent = rpc.agent.current_agent()
+        assert rpc.rpc_sync("b", np.add, args=(1, 1)) == 2
+        in_flight = rpc.rpc_async("b", after_timer, args=(1.0, "in-flight"))
+        scheduler.kill()
+        scheduler.wait()
+        running = agent._worker.status.name == "running"
+        while running and getattr(agent, "_scheduler_gone", None) is None:  # b's link is up
+            time.sleep(0.05)
+            running = agent._worker.status.name == "running"
+        print(in_flight.wait())
+        print(rpc.rpc_sync("b", np.add, args=(2, 3)))
+        print(rpc.remote("b", np.add, args=(3, 3)).to_here())
+        try:
+            rpc.rpc_sync("c", np.add, args=(1, 1))
+        except ValueError as exc:
+            print("lookup", "scheduler" in str(exc) and address in str(exc))
+        rpc.shutdown()
+        print("left", sorted(t.name for t in threading.enumerate() if t.name.startswith("aiopar")))
+        b.stdin.close()
+        print(b.stdout.read().strip().replace(" ", "-"), b.wait())
+    """
+    assert run(script, 150) == [
+        "in-flight",
+        "5",
+        "6",
+        "lookup",
+        "True",
+        "left",
+        "[]",
+        "b-left",
+        "0",
+    ]
