@@ -283,7 +283,7 @@ class DaskRpcAgent(RpcAgent):
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(_POLL)
-        if self._scheduler_gone is None:
+        if self._scheduler_gone is None and self._stopped is None:  # else: no one to meet
             try:
                 await self._meet_the_others(deadline)
             except OSError as exc:  # the scheduler went meanwhile

@@ -82,8 +82,10 @@ class Peer(distributed.Worker):
         try:
             await self.handle_stream(comm)
         finally:
-            if self.status == Status.running:  # the scheduler went, not this peer
+            if self.status in (Status.running, Status.paused):  # the scheduler went
                 self._lose_scheduler()
+            else:
+                await self.close(reason="worker-handle-scheduler-connection-broken")
 
     def _lose_scheduler(self) -> None:
         """Go on without the scheduler: stop telling it we live, and serve on."""
