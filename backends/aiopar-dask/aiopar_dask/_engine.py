@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import multiprocessing.process
 import os
 import signal
 import threading
@@ -315,7 +316,30 @@ def _forget_in_child() -> None:
     to leave at exit (their loop threads do not exist here, and their
     sockets stay the parent's: the child neither uses nor shuts them)."""
     global _started
+    for agent in list(_started):
+        _disown(agent)
     _started = weakref.WeakSet()
+
+
+def _disown(agent: DaskRpcAgent) -> None:
+    """In the child of a fork, leave to the parent what dask would clean up
+    at the child's exit: the peer's and the scheduler's directories, the
+    embedded cluster, and its worker processes (which multiprocessing's
+    atexit handler would terminate)."""
+    servers: list[Any] = [agent._worker]
+    cluster = agent.cluster
+    if cluster is not None:
+        SpecCluster._instances.discard(cluster)
+        servers.append(cluster.scheduler)
+        for nanny in cluster.workers.values():
+            process = getattr(getattr(nanny, "process", None), "process", None)  # AsyncProcess
+            if process is not None:
+                process._proc_finalizer.detach()
+                multiprocessing.process._children.discard(process._process)  # type: ignore[attr-defined]
+    for server in servers:
+        workdir = getattr(server, "_workdir", None)
+        if workdir is not None:
+            workdir._finalizer.detach()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

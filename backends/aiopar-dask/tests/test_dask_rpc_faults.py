@@ -66,6 +66,25 @@ def test_the_child_of_a_fork_is_no_peer_and_leaves_the_parents_links_alone(sched
     assert run(script, 90, scheduler) == ["0", "parent's", "5"]
 
 
+def test_the_child_of_a_fork_leaves_its_parents_cluster_alone_at_exit():
+    script = """
+        import os, sys
+        import numpy as np
+        from aiopar import rpc
+
+        rpc.init_rpc("worker0", world_size=2)
+        worker1 = rpc.rpc_sync("worker1", os.getpid)
+        directory = rpc.agent.current_agent()._worker.local_directory
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # atexit handlers and finalizers run here
+        os.waitpid(pid, 0)
+        print(rpc.rpc_sync("worker1", os.getpid, timeout=20) == worker1, os.path.isdir(directory))
+        rpc.shutdown()
+    """
+    assert run(script, 90) == ["True", "True"]
+
+
 def test_to_here_of_an_rref_whose_owner_died_fails_naming_it():
     script = """
         import os, time
