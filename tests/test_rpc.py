@@ -215,6 +215,11 @@ def test_init_rpc_refuses_what_it_cannot_start(kwargs, error, words):
     assert rpc_agent._current is None
 
 
+def test_a_serving_peer_refuses_an_address_that_cannot_be_a_schedulers():
+    with pytest.raises(ValueError, match=r"scheduler is a scheduler address .* Port out of range"):
+        rpc_agent.serve_peer("tcp://127.0.0.1:99999", "server")
+
+
 def test_peers_options_and_arguments_are_checked_where_they_are_made(fake):
     with pytest.raises(TypeError, match="name is the peer's name, a string, got 1"):
         WorkerInfo(1, 0)

@@ -37,6 +37,7 @@ __all__ = [
     "RpcBackendOptions",
     "RpcEngine",
     "WorkerInfo",
+    "check_address",
     "current_agent",
     "find_engine",
     "installed_engines",
@@ -123,7 +124,7 @@ class RpcBackendOptions:
                 f"rpc_timeout is a number of seconds >= 0 (0 or inf: no limit), got {timeout!r}"
             )
         if self.init_method is not None:
-            _check_address(self.init_method)
+            check_address(self.init_method, "init_method")
         check_count(self.num_worker_threads, "num_worker_threads")
         if isinstance(self.security, str | bytes | int | float | dict | list | tuple):
             raise TypeError(
@@ -134,20 +135,22 @@ class RpcBackendOptions:
             )
 
 
-def _check_address(address: object) -> None:
-    """Refuse what cannot be a scheduler's address, naming what would be."""
+def check_address(address: object, what: str) -> None:
+    """Refuse what cannot be a scheduler's address (``what`` names the
+    argument): TypeError for a non-string, ValueError for no host or a port
+    outside 1-65535. Whether a scheduler answers there is the engine's to say."""
     example = "a scheduler address such as 'tcp://10.0.0.5:8786'"
     if not isinstance(address, str):
-        raise TypeError(f"init_method is {example} or None, got {type(address).__name__}")
+        raise TypeError(f"{what} is {example}, got {type(address).__name__}")
     try:
         parts = urlsplit(address if "://" in address else f"tcp://{address}")
         port = parts.port  # ValueError out of 0-65535
     except ValueError as exc:
-        raise ValueError(f"init_method is {example}, got {address!r}: {exc}") from None
+        raise ValueError(f"{what} is {example}, got {address!r}: {exc}") from None
     if not parts.hostname:
-        raise ValueError(f"init_method is {example}, got {address!r}: it names no host")
+        raise ValueError(f"{what} is {example}, got {address!r}: it names no host")
     if port == 0:
-        raise ValueError(f"init_method is {example}, got {address!r}: port 0 is no scheduler's")
+        raise ValueError(f"{what} is {example}, got {address!r}: port 0 is no scheduler's")
 
 
 TensorPipeRpcBackendOptions = RpcBackendOptions
@@ -372,4 +375,5 @@ def serve_peer(
     until it is interrupted (what ``aiopar worker`` does)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name is the peer's name, a non-empty string, got {name!r}")
+    check_address(scheduler, "scheduler")
     find_engine(backend).serve(scheduler, name, rank, options or RpcBackendOptions())

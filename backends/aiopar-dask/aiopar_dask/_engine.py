@@ -270,6 +270,7 @@ class _Engine:
         _check_security(options.security)
 
         async def main() -> None:
+            await check_scheduler(scheduler, options.security, options.rpc_timeout)
             peer = await _start_peer(scheduler, name, rank, False, options)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
