@@ -202,6 +202,43 @@ def test_backend_options_check_their_values(options, error, words):
         RpcBackendOptions(**options)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"name": "a", "rank": 5}, ValueError, "rank 5 needs a world_size > 5"),
+        ({"name": "a", "backend": 5}, TypeError, "backend is the name of an installed rpc engine"),
+    ],
+)
+def test_init_rpc_refuses_what_it_cannot_start(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        rpc.init_rpc(**kwargs)
+    assert rpc_agent._current is None
+
+
+def test_a_serving_peer_refuses_an_address_that_cannot_be_a_schedulers():
+    with pytest.raises(ValueError, match=r"scheduler is a scheduler address .* Port out of range"):
+        rpc_agent.serve_peer("tcp://127.0.0.1:99999", "server")
+
+
+def test_peers_options_and_arguments_are_checked_where_they_are_made(fake):
+    with pytest.raises(TypeError, match="name is the peer's name, a string, got 1"):
+        WorkerInfo(1, 0)
+    with pytest.raises(TypeError, match="id is the peer's rank, an int"):
+        WorkerInfo("other", "1")
+    with pytest.raises(TypeError, match="security is the engine's security object"):
+        RpcBackendOptions(security="tls")
+    with pytest.raises(ValueError, match=r"'tcp://127\.0\.0\.1:99999': Port out of range"):
+        RpcBackendOptions(init_method="tcp://127.0.0.1:99999")
+    with pytest.raises(ValueError, match="names no host"):
+        RpcBackendOptions(init_method="tcp://:8786")
+    with pytest.raises(TypeError, match="got the key 1"):
+        rpc.rpc_async("other", add, kwargs={1: 2})
+    with pytest.raises(ValueError, match="timeout is the most seconds"):
+        rpc.shutdown(timeout="x")
+    assert not fake.agents[0].closed  # still a peer
+    assert rpc.get_worker_info().name == "me"
+
+
 def test_torch_spellings():
     assert rpc.TensorPipeRpcBackendOptions is rpc.RpcBackendOptions
     assert rpc.DEFAULT_RPC_TIMEOUT == 60.0
@@ -440,6 +477,41 @@ def test_two_calls_sending_the_same_collected_rref_at_once(fake, monkeypatch):
     while rref_id in _rref._owned and time.monotonic() < deadline:
         time.sleep(0.01)
     assert rref_id not in _rref._owned
+
+
+def test_a_delete_that_runs_before_its_create_leaves_no_value(fake):
+    # Calls run concurrently on the owner: a creator's _delete may run first.
+    from aiopar.rpc import _rref
+
+    _rref._delete(["early-1"])
+    _rref._create("early-1", add, (1, 2), {})
+    _rref._create("later-2", add, (1, 2), {})
+    _rref._delete(["later-2"])
+    assert _rref._owned == {}
+    assert _rref._made == set()
+    assert _rref._deleted_early == set()
+
+
+def test_an_rref_whose_creation_failed_says_so_at_once(fake):
+    rref = rpc.remote("other", add, args=(1, 2))
+    assert rref.to_here() == 3
+    lost: aiopar.Future[None] = aiopar.Future()
+    lost.set_exception(aiopar.BrokenWorkerError("rpc peer 'other' is gone"))
+    rref._created = lost  # as when the owner dies while it makes the value
+    assert not rref.confirmed_by_owner()
+    for use in (lambda: rref.to_here(timeout=None), lambda: rref.rpc_sync().bit_length()):
+        with pytest.raises(aiopar.BrokenWorkerError, match="'other' is gone"):
+            use()
+
+
+def test_a_value_lost_by_its_owner_is_looked_up_in_vain(fake):
+    from aiopar.rpc import _rref
+
+    rref = rpc.remote("other", add, args=(1, 2))
+    assert rref.to_here() == 3 and rref.confirmed_by_owner()
+    _rref._owned.clear()  # as a restarted owner has it
+    with pytest.raises(LookupError, match="'me' no longer has the value"):
+        rref.to_here(timeout=None)
 
 
 def test_a_shared_rref_keeps_its_value(fake):

@@ -71,14 +71,17 @@ def init_rpc(
       first), or no engine is installed (the message says which
       distribution to install);
     - ValueError for a name or rank that another peer has, a name the
-      embedded cluster gives one of its own peers, ``rank >= world_size``,
+      embedded cluster gives one of its own peers, ``rank >= world_size``
+      (for an embedded cluster, a rank above 0 without ``world_size``),
       a rank or world size that is not a whole number (ranks from 0, world
       sizes from 1), or an engine ``backend`` that is not installed;
-    - TypeError for an empty or non-string ``name``, or options that are
-      not :class:`RpcBackendOptions`;
+    - TypeError for an empty or non-string ``name``, options that are
+      not :class:`RpcBackendOptions`, or a ``backend`` that is not a string;
     - TimeoutError if, joining a scheduler, fewer than ``world_size`` peers
       have joined after the options' ``rpc_timeout`` seconds (never, if it
-      is 0 or infinite).
+      is 0 or infinite);
+    - OSError naming the scheduler's address, and what was found there, if
+      no dask scheduler answers at it within ``rpc_timeout`` seconds (aiopar-dask).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name is this peer's name, a non-empty string, got {name!r}")
@@ -94,6 +97,15 @@ def init_rpc(
             f"rpc_backend_options must be aiopar.rpc.RpcBackendOptions, "
             f"got {type(options).__name__}"
         )
+    if rank and world_size is None and options.init_method is None:
+        raise ValueError(
+            f"rank {rank} needs a world_size > {rank}: the embedded cluster starts ranks "
+            f"0 to world_size - 1, and without world_size it has rank 0 alone (to join a "
+            f"cluster that has other ranks, give rpc_backend_options=RpcBackendOptions("
+            f"init_method=<its scheduler's address>))"
+        )
+    if backend is not None and not isinstance(backend, str):
+        _agent.find_engine(backend)  # raises TypeError, naming what backend would be
     with _init_lock:
         if _agent._current is not None:
             raise RuntimeError(
@@ -127,8 +139,18 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
 
     Afterwards this process is no longer a peer, even if stopping raised,
     and :func:`init_rpc` may be called again. Raises RuntimeError if this
-    process is not a peer.
+    process is not a peer, and ValueError, before it does anything, for a
+    ``timeout`` that is not a number >= 0.
     """
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not timeout >= 0  # NaN is not
+    ):
+        raise ValueError(
+            f"timeout is the most seconds a graceful shutdown waits for the other peers, "
+            f"a number >= 0 (0: no limit), got {timeout!r}"
+        )
     agent = _agent.current_agent()
     try:
         agent.shutdown(graceful=graceful, timeout=timeout)
@@ -294,6 +316,13 @@ def _check_args(args: object) -> tuple[Any, ...]:
 def _check_kwargs(kwargs: object) -> dict[str, Any]:
     if kwargs is None:
         return {}
-    if isinstance(kwargs, Mapping):
-        return dict(kwargs)
-    raise TypeError(f"kwargs is a dict of keyword arguments, got {type(kwargs).__name__}")
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs is a dict of keyword arguments, got {type(kwargs).__name__}")
+    named = dict(kwargs)
+    for key in named:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"kwargs is a dict of keyword arguments, whose keys are the parameters' names "
+                f"(strings), got the key {key!r}"
+            )
+    return named

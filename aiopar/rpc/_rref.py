@@ -6,13 +6,15 @@ on the owner through ordinary calls; the ones that wait for the value are
 ``async_execution``, so a fetch that arrives before the value holds no
 thread. A value is dropped once the RRef that ``remote`` returned is collected (the
 creator tells the owner with its next call), unless a copy of it was sent to
-another peer; then it stays until the owner shuts down.
+another peer; then it stays until the owner shuts down. The child of an
+``os.fork()`` owns nothing, and drops none of its parent's values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import uuid
 from collections import deque
@@ -32,6 +34,10 @@ T = TypeVar("T")
 
 _owned: dict[str, Future[Any]] = {}
 _owned_lock = threading.Lock()
+# Calls run concurrently on the owner, so a creator's _delete may run before
+# its _create: the ids created and not yet deleted, and those deleted first.
+_made: set[str] = set()
+_deleted_early: set[str] = set()
 _prefix = uuid.uuid4().hex[:12]  # this process, in the ids of the RRefs it creates
 _counter = itertools.count()
 
@@ -40,11 +46,19 @@ def _new_id() -> str:
     return f"{_prefix}-{next(_counter)}"
 
 
-def _slot(rref_id: str) -> Future[Any]:
-    """The future of an owned value, made on first use (a fetch may come first)."""
+def _slot(rref_id: str, known: bool = False) -> Future[Any]:
+    """The future of an owned value, made on first use (a fetch may come
+    first), unless the value is ``known`` to have been made here: then
+    LookupError, since this peer no longer has it (it was restarted)."""
     with _owned_lock:
         slot = _owned.get(rref_id)
         if slot is None:
+            if known:
+                raise LookupError(
+                    f"rpc peer {_agent.current_agent().worker_info.name!r} no longer has the "
+                    f"value of RRef {rref_id}: it made it, and lost it since (a restarted "
+                    f"peer starts with none)"
+                )
             slot = _owned[rref_id] = Future()
         return slot
 
@@ -72,16 +86,28 @@ def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: An
 
 
 def _create(rref_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
-    _run_into(_slot(rref_id), fn, args, kwargs)
+    with _owned_lock:
+        dropped = rref_id in _deleted_early
+        if dropped:  # its RRef is gone already: run fn, keep nothing
+            _deleted_early.discard(rref_id)
+            target: Future[Any] = Future()
+            target.add_done_callback(_ignore_outcome)
+        else:
+            _made.add(rref_id)
+            found = _owned.get(rref_id)  # a fetch may have come first
+            target = _owned[rref_id] = Future() if found is None else found
+    _run_into(target, fn, args, kwargs)
 
 
 @async_execution
-def _fetch(rref_id: str) -> Future[Any]:
-    return _slot(rref_id)
+def _fetch(rref_id: str, known: bool = False) -> Future[Any]:
+    return _slot(rref_id, known)
 
 
 @async_execution
-def _call_method(rref_id: str, name: str, args: Any, kwargs: Any) -> Future[Any]:
+def _call_method(
+    rref_id: str, name: str, args: Any, kwargs: Any, known: bool = False
+) -> Future[Any]:
     result: Future[Any] = Future()
 
     def call(value: Future[Any]) -> None:
@@ -92,7 +118,7 @@ def _call_method(rref_id: str, name: str, args: Any, kwargs: Any) -> Future[Any]
         else:
             _run_into(result, method, args, kwargs)
 
-    _slot(rref_id).add_done_callback(call)
+    _slot(rref_id, known).add_done_callback(call)
     return result
 
 
@@ -100,6 +126,10 @@ def _delete(rref_ids: list[str]) -> None:
     with _owned_lock:
         for rref_id in rref_ids:
             _owned.pop(rref_id, None)
+            if rref_id in _made:
+                _made.discard(rref_id)
+            else:
+                _deleted_early.add(rref_id)
 
 
 _collected: deque[tuple[WorkerInfo, str]] = deque()  # RRefs collected here, by owner
@@ -129,7 +159,21 @@ def forget_owned() -> None:
     """Drop every value this process owns (at shutdown)."""
     with _owned_lock:
         _owned.clear()
+        _made.clear()
+        _deleted_early.clear()
     _collected.clear()
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: it owns nothing, and the RRefs it
+    inherited are its parent's to drop (a new prefix tells them apart)."""
+    global _owned_lock, _prefix
+    _owned_lock = threading.Lock()  # a parent's thread may have held it
+    _prefix = uuid.uuid4().hex[:12]
+    forget_owned()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 # -- the handle --------------------------------------------------------------------
@@ -180,7 +224,7 @@ class RRef(Generic[T]):
         # The garbage collector may run this in any thread, holding any lock:
         # only note the id here (deque.append takes no lock); the next call
         # from this peer sends it (see send_collected).
-        if self._created is not None and not self._shared:
+        if self._created is not None and not self._shared and self._id.startswith(_prefix):
             _collected.append((self._owner, self._id))
 
     # -- where it lives -------------------------------------------------------------
@@ -234,23 +278,30 @@ class RRef(Generic[T]):
 
         Blocks until the value exists, for at most ``timeout`` seconds (-1:
         the ``rpc_timeout`` of :func:`~aiopar.rpc.init_rpc`'s options; 0,
-        None or ``float("inf")``: no limit), then raises TimeoutError. A
-        value whose creation call never reached the owner never exists:
-        that too ends in TimeoutError, or waits forever with no limit.
+        None or ``float("inf")``: no limit), then raises TimeoutError.
         Raises the exception that the function making the value raised, if
-        it did, an error naming the owner if it dies meanwhile, ValueError
-        for a bad ``timeout``, and RuntimeError if this process is not a
-        peer.
+        it did; the error of the call that was to create it, if that call
+        failed (as :meth:`confirmed_by_owner` is then False: the owner died,
+        or it timed out), whatever ``timeout`` is; LookupError naming the
+        owner if it made the value and lost it since (it was restarted);
+        an error naming the owner if it dies meanwhile; ValueError for a
+        bad ``timeout``; and RuntimeError if this process is not a peer.
         """
         agent = _agent.current_agent()
         seconds = _agent.check_timeout(timeout, agent.default_timeout)
+        self._raise_if_creation_failed()
         value: T
         if self.is_owner():
-            self._raise_if_creation_failed()
             value = _slot(self._id).wait(seconds or None)
         else:
-            value = agent.call(self._owner, _fetch, (self._id,), {}, seconds).wait()
+            fetch = (self._id, self._made_by_owner())
+            value = agent.call(self._owner, _fetch, fetch, {}, seconds).wait()
         return value
+
+    def _made_by_owner(self) -> bool:
+        """Whether the owner told this creator that it made the value."""
+        created = self._created
+        return created is not None and created.done() and created.exception() is None
 
     def _raise_if_creation_failed(self) -> None:
         created = self._created
@@ -314,8 +365,13 @@ class _Proxy:
         rref, timeout = self._rref, self._timeout
 
         def method(*args: Any, **kwargs: Any) -> Any:
+            rref._raise_if_creation_failed()
+            known = rref._made_by_owner()
             return call(
-                rref.owner(), _call_method, args=(rref._id, name, args, kwargs), timeout=timeout
+                rref.owner(),
+                _call_method,
+                args=(rref._id, name, args, kwargs, known),
+                timeout=timeout,
             )
 
         method.__name__ = name

@@ -17,12 +17,14 @@ callee, the agent runs each incoming call through :func:`run_callee`.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NamedTuple, Protocol
+from urllib.parse import urlsplit
 
 from .._api import wrap
 from .._budget import check_count
@@ -35,6 +37,7 @@ __all__ = [
     "RpcBackendOptions",
     "RpcEngine",
     "WorkerInfo",
+    "check_address",
     "current_agent",
     "find_engine",
     "installed_engines",
@@ -55,16 +58,30 @@ by then fails with TimeoutError.
 """
 
 
-class WorkerInfo(NamedTuple):
+class _WorkerInfoFields(NamedTuple):
+    name: str
+    id: int
+
+
+class WorkerInfo(_WorkerInfoFields):
     """A peer: its unique ``name`` and its ``id`` (the rank), as in torch.
 
     A named tuple: immutable, hashable, comparable and picklable. Wherever
     a call takes a peer (``to=``), a WorkerInfo stands for the peer of its
-    ``name``.
+    ``name``. Raises TypeError unless ``name`` is a string and ``id`` a
+    whole number.
     """
 
-    name: str
-    id: int
+    __slots__ = ()
+
+    def __new__(cls, name: str, id: int) -> WorkerInfo:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"WorkerInfo(name, id): name is the peer's name, a string, got {name!r}"
+            )
+        if not isinstance(id, int) or isinstance(id, bool):
+            raise TypeError(f"WorkerInfo(name, id): id is the peer's rank, an int, got {id!r}")
+        return super().__new__(cls, name, id)
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
@@ -88,9 +105,11 @@ class RpcBackendOptions:
     engine (for dask, a ``distributed.Security``: TLS for the cluster and
     the calls).
 
-    Raises ValueError for an ``rpc_timeout`` that is not a number >= 0 or a
-    ``num_worker_threads`` that is not a whole number >= 1, and TypeError
-    for an ``init_method`` that is not a string or None.
+    Raises ValueError for an ``rpc_timeout`` that is not a number >= 0, a
+    ``num_worker_threads`` that is not a whole number >= 1, and an
+    ``init_method`` with no host or a port outside 1-65535; TypeError for
+    an ``init_method`` that is not a string or None, and a ``security``
+    that is plain data (such as ``"tls"``) rather than an engine's object.
     """
 
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
@@ -104,12 +123,34 @@ class RpcBackendOptions:
             raise ValueError(
                 f"rpc_timeout is a number of seconds >= 0 (0 or inf: no limit), got {timeout!r}"
             )
-        if self.init_method is not None and not isinstance(self.init_method, str):
-            raise TypeError(
-                f"init_method is a scheduler address such as 'tcp://10.0.0.5:8786' or None, "
-                f"got {type(self.init_method).__name__}"
-            )
+        if self.init_method is not None:
+            check_address(self.init_method, "init_method")
         check_count(self.num_worker_threads, "num_worker_threads")
+        if isinstance(self.security, str | bytes | int | float | dict | list | tuple):
+            raise TypeError(
+                f"security is the engine's security object (for aiopar-dask a "
+                f"distributed.Security, such as Security.temporary() or "
+                f"Security(tls_ca_file=..., tls_client_cert=..., require_encryption=True)) "
+                f"or None, got {self.security!r}"
+            )
+
+
+def check_address(address: object, what: str) -> None:
+    """Refuse what cannot be a scheduler's address (``what`` names the
+    argument): TypeError for a non-string, ValueError for no host or a port
+    outside 1-65535. Whether a scheduler answers there is the engine's to say."""
+    example = "a scheduler address such as 'tcp://10.0.0.5:8786'"
+    if not isinstance(address, str):
+        raise TypeError(f"{what} is {example}, got {type(address).__name__}")
+    try:
+        parts = urlsplit(address if "://" in address else f"tcp://{address}")
+        port = parts.port  # ValueError out of 0-65535
+    except ValueError as exc:
+        raise ValueError(f"{what} is {example}, got {address!r}: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"{what} is {example}, got {address!r}: it names no host")
+    if port == 0:
+        raise ValueError(f"{what} is {example}, got {address!r}: port 0 is no scheduler's")
 
 
 TensorPipeRpcBackendOptions = RpcBackendOptions
@@ -190,12 +231,20 @@ class RpcEngine(Protocol):
 
 _current: RpcAgent | None = None
 _current_lock = threading.Lock()
+_forked_from: str | None = None  # the peer this process's parent was when it forked
 
 
 def current_agent() -> RpcAgent:
-    """This process's agent; RuntimeError if there is none (before ``init_rpc``)."""
+    """This process's agent; RuntimeError if there is none (before ``init_rpc``,
+    and in the child of an ``os.fork()``)."""
     agent = _current
     if agent is None:
+        if _forked_from is not None:
+            raise RuntimeError(
+                f"this process was forked from rpc peer {_forked_from!r}, and the child of a "
+                f"fork is no peer (its parent's connections stay the parent's): call "
+                f"aiopar.rpc.init_rpc(name, ...) in this process to make it one"
+            )
         raise RuntimeError(
             "RPC has not been initialized in this process: call aiopar.rpc.init_rpc(name, ...) "
             "first"
@@ -209,6 +258,22 @@ def set_current_agent(agent: RpcAgent | None) -> RpcAgent | None:
     with _current_lock:
         previous, _current = _current, agent
     return previous
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: no agent. Its connections, threads
+    and call ids are the parent's; the child must not touch them."""
+    global _current, _current_lock, _forked_from
+    _current_lock = threading.Lock()  # a parent's thread may have held it
+    if _current is not None:
+        try:
+            _forked_from = _current.worker_info.name
+        except Exception:
+            _forked_from = "?"
+    _current = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -274,9 +339,14 @@ def find_engine(backend: str | None = None) -> RpcEngine:
     """The engine registered as ``backend`` (None: ``"dask"``, or the only one).
 
     Raises RuntimeError, naming the distribution to install, if no engine
-    is installed, and ValueError, naming the installed ones, if none is
-    called ``backend``.
+    is installed, ValueError, naming the installed ones, if none is
+    called ``backend``, and TypeError for a ``backend`` that is not a string.
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"backend is the name of an installed rpc engine, such as 'dask', or None, "
+            f"got {backend!r}"
+        )
     found = installed_engines()
     if not found:
         raise RuntimeError(
@@ -305,4 +375,5 @@ def serve_peer(
     until it is interrupted (what ``aiopar worker`` does)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name is the peer's name, a non-empty string, got {name!r}")
+    check_address(scheduler, "scheduler")
     find_engine(backend).serve(scheduler, name, rank, options or RpcBackendOptions())

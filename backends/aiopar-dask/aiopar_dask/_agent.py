@@ -3,7 +3,8 @@
 The scheduler is the phone book (each peer's name, rank and rpc port). A
 call goes on the :class:`~._link.Link` to its callee, connected on first
 use. The callee runs each call in its worker's thread pool; a call blocked
-in ``wait`` leaves the pool after 0.1 s, and an ``async_execution`` call
+in ``wait`` leaves the pool after 0.1 s (so another thread takes its place),
+at most :data:`COMPENSATION_LIMIT` at once, and an ``async_execution`` call
 holds no thread while its future is pending.
 """
 
@@ -33,7 +34,19 @@ from ._worker import Seceder
 if TYPE_CHECKING:
     from ._peer import Peer
 
-__all__ = ["DaskRpcAgent", "close_peer", "polls"]
+__all__ = ["COMPENSATION_LIMIT", "DaskRpcAgent", "close_peer", "polls"]
+
+COMPENSATION_LIMIT = 64
+"""How many calls blocked in ``wait`` a peer replaces in its thread pool at once.
+
+A call that has waited 0.1 s leaves the pool, and a new thread takes its
+place, so calls that wait on each other do not deadlock a small pool. Past
+this many, a blocked call keeps its pool thread: a peer runs calls in at
+most ``num_worker_threads + COMPENSATION_LIMIT`` threads, and a chain of
+nested blocking calls deeper than that through one peer waits for its
+timeout (``@async_execution`` functions hold no thread while they wait).
+As :data:`aiopar.backends.thread.COMPENSATION_LIMIT` does for a thread pool.
+"""
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
 _POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
@@ -51,8 +64,10 @@ class DaskRpcAgent(RpcAgent):
         self._links: dict[str, Link] = {}  # by callee name
         self._settler = Settler("rpc")
         self._timeouts = Timeouts()
+        self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
         self._listener: _wire.Listener | None = None
         self._stopped: BaseException | None = None
+        self._scheduler_gone: str | None = None  # why the peers cannot be looked up
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
         self.on_close: Callable[[], None] | None = None
 
@@ -73,17 +88,23 @@ class DaskRpcAgent(RpcAgent):
 
     def peer(self, to: str | int) -> WorkerInfo:
         found = self._lookup(to)
-        if found is None:
+        if found is None and self._scheduler_gone is None:
             self._run(self._refresh_peers())
             found = self._lookup(to)
         if found is None:
             listing = ", ".join(f"{info.name} (id {info.id})" for info in self.peers()) or "none"
             what = f"called {to!r}" if isinstance(to, str) else f"with id {to}"
+            if self._scheduler_gone is not None:
+                raise ValueError(
+                    f"this peer knows no rpc peer {what}, and cannot look it up: "
+                    f"{self._scheduler_gone}; the peers it knows are: {listing}"
+                )
             raise ValueError(f"there is no rpc peer {what}; the peers are: {listing}")
         return found[0]
 
     def peers(self) -> list[WorkerInfo]:
-        self._run(self._refresh_peers())
+        if self._scheduler_gone is None:  # else: the peers known when it went
+            self._run(self._refresh_peers())
         with self._lock:
             return sorted((p[0] for p in self._peers.values()), key=lambda info: info.id)
 
@@ -121,14 +142,20 @@ class DaskRpcAgent(RpcAgent):
 
     def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
         deadline = None if not timeout else time.monotonic() + timeout
-        if graceful:
-            self._run(self._leave_together(deadline), timeout=None)
-        self._run(close_peer(self._worker, self.cluster), timeout=None)
-        self._join()
-        if self.on_close is not None:
-            self.on_close()
+        try:
+            if graceful:
+                self._run(self._leave_together(deadline), timeout=None)
+            self._run(close_peer(self._worker, self.cluster), timeout=None)
+        finally:  # whatever failed above, no thread of this peer stays
+            self._join()
+            if self.on_close is not None:
+                self.on_close()
 
     # -- the caller's side -------------------------------------------------------------
+
+    def _lose_scheduler(self, reason: str) -> None:
+        """The scheduler is gone: the peers known now are all this peer will know."""
+        self._scheduler_gone = reason
 
     def _lookup(self, to: str | int) -> tuple[WorkerInfo, str, int] | None:
         with self._lock:
@@ -195,7 +222,7 @@ class DaskRpcAgent(RpcAgent):
 
     def _run_call(self, connection: _wire.Connection, call_id: int, frames: Any) -> None:
         """In a worker thread: run one call and reply (for a Future, once it is done)."""
-        previous = set_waiter(Seceder(is_task=False))
+        previous = set_waiter(_CallWaiter(self._compensation))
         # As in a dask task, distributed.get_worker() and get_client() work
         # here (dask's actors set the same context variable).
         token = _worker_context.set(self._worker)
@@ -250,20 +277,54 @@ class DaskRpcAgent(RpcAgent):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     async def _leave_together(self, deadline: float | None) -> None:
-        """Graceful shutdown: this peer's calls finish, then every peer that joined leaves."""
+        """Graceful shutdown: this peer's calls finish, then every peer that
+        joined leaves (without a scheduler to meet at, this one alone)."""
         while any(link.pending for link in list(self._links.values())):
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(_POLL)
+        if self._scheduler_gone is None and self._stopped is None:  # else: no one to meet
+            try:
+                await self._meet_the_others(deadline)
+            except OSError as exc:  # the scheduler went meanwhile
+                self._lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
+
+    async def _meet_the_others(self, deadline: float | None) -> None:
         scheduler = self._worker.scheduler
         await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._worker.rpc_token], value=1)
         async for _ in polls(deadline):
+            if self._scheduler_gone is not None:
+                return
             identity = await scheduler.identity(n_workers=-1)
             workers = identity["workers"].values()
             joined = {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
             leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
             if joined <= set(leaving):
                 return
+
+
+class _CallWaiter(Seceder):
+    """The waiter of a thread that runs a call: it leaves the pool once
+    blocked long, while the peer has compensation left."""
+
+    __slots__ = ("_compensation",)
+
+    def __init__(self, compensation: threading.BoundedSemaphore) -> None:
+        super().__init__(is_task=False)
+        self._compensation = compensation
+
+    def blocked_long(self) -> None:
+        if self._seceded or not self._compensation.acquire(blocking=False):
+            return
+        super().blocked_long()
+        if not self._seceded:  # not a pool thread: nothing to replace
+            self._compensation.release()
+
+    def resumed(self) -> None:
+        seceded = self._seceded
+        super().resumed()
+        if seceded:
+            self._compensation.release()
 
 
 # -- replies -----------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import multiprocessing.process
+import os
 import signal
 import threading
 import time
@@ -28,6 +30,7 @@ from aiopar.rpc.agent import RpcBackendOptions, set_current_agent
 from ._agent import DaskRpcAgent, close_peer, polls
 from ._cluster import LOOPBACK, protocol_for
 from ._peer import Peer
+from ._reach import check_scheduler
 
 __all__ = ["rpc_engine"]
 
@@ -173,6 +176,8 @@ async def _start(
         )
         await cluster
         address = cluster.scheduler_address
+    else:
+        await check_scheduler(address, options.security, options.rpc_timeout)
     peer = await _start_peer(address, name, rank, True, options, parts)
     agent = peer.rpc_agent
     agent.cluster = parts.cluster
@@ -245,6 +250,7 @@ class _Engine:
         self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
     ) -> DaskRpcAgent:
         """Make this process the peer ``name`` (``init_rpc``)."""
+        _check_security(options.security)
         runner = _LoopThread()
         parts = _Parts()
         try:
@@ -261,8 +267,10 @@ class _Engine:
     ) -> None:
         """Run the peer ``name`` on ``scheduler`` in this process until it is
         interrupted (SIGINT, SIGTERM) or the scheduler goes away."""
+        _check_security(options.security)
 
         async def main() -> None:
+            await check_scheduler(scheduler, options.security, options.rpc_timeout)
             peer = await _start_peer(scheduler, name, rank, False, options)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -275,6 +283,14 @@ class _Engine:
             await peer.close(reason="aiopar worker stopped")
 
         asyncio.run(main())
+
+
+def _check_security(security: object) -> None:
+    if security is not None and not isinstance(security, Security):
+        raise TypeError(
+            f"the security of aiopar-dask's rpc_backend_options is a distributed.Security "
+            f"(such as Security.temporary()) or None, got {type(security).__name__}"
+        )
 
 
 def _undo(runner: _LoopThread, parts: _Parts) -> None:
@@ -294,6 +310,40 @@ rpc_engine = _Engine()
 
 
 _started: weakref.WeakSet[DaskRpcAgent] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: its parent's peers are not its own
+    to leave at exit (their loop threads do not exist here, and their
+    sockets stay the parent's: the child neither uses nor shuts them)."""
+    global _started
+    for agent in list(_started):
+        _disown(agent)
+    _started = weakref.WeakSet()
+
+
+def _disown(agent: DaskRpcAgent) -> None:
+    """In the child of a fork, leave to the parent what dask would clean up
+    at the child's exit: the peer's and the scheduler's directories, the
+    embedded cluster, and its worker processes (which multiprocessing's
+    atexit handler would terminate)."""
+    servers: list[Any] = [agent._worker]
+    cluster = agent.cluster
+    if cluster is not None:
+        SpecCluster._instances.discard(cluster)
+        servers.append(cluster.scheduler)
+        for nanny in cluster.workers.values():
+            process = getattr(getattr(nanny, "process", None), "process", None)  # AsyncProcess
+            if process is not None:
+                process._proc_finalizer.detach()
+                multiprocessing.process._children.discard(process._process)  # type: ignore[attr-defined]
+    for server in servers:
+        workdir = getattr(server, "_workdir", None)
+        if workdir is not None:
+            workdir._finalizer.detach()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _leave_at_exit() -> None:

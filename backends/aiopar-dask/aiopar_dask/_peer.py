@@ -1,21 +1,30 @@
 """A peer: a ``distributed.Worker`` that also serves rpc calls.
 
 dask runs the processes (nannies restart dead peers of an embedded
-cluster) and the scheduler lists each peer's name, rank and rpc port.
+cluster) and the scheduler lists each peer's name, rank and rpc port. The
+scheduler is only the phone book: a peer whose process called ``init_rpc``
+goes on serving and calling the peers it knows when the scheduler is gone
+(a dask worker would close itself). A peer that ``aiopar worker`` or a
+nanny runs leaves then, as dask workers do.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
 import distributed
+from distributed.comm import Comm
+from distributed.core import Status
 
 from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 
 from ._agent import DaskRpcAgent
 
 __all__ = ["Peer"]
+
+_logger = logging.getLogger("aiopar.rpc")
 
 
 class _Value:
@@ -36,8 +45,8 @@ class Peer(distributed.Worker):
     """A dask worker that is also an rpc peer, named ``name`` with id ``rank``.
 
     ``joined`` marks a peer whose process called ``init_rpc``: graceful
-    shutdown waits for those. ``rpc_timeout`` is the default timeout of the
-    calls made from this process.
+    shutdown waits for those, and they outlive the scheduler. ``rpc_timeout``
+    is the default timeout of the calls made from this process.
     """
 
     def __init__(
@@ -58,12 +67,35 @@ class Peer(distributed.Worker):
         }
         kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)
+        self.joined = joined
         self.rpc_agent = DaskRpcAgent(self, rank, rpc_timeout)
 
     async def start_unsafe(self) -> Peer:
         await super().start_unsafe()
         set_current_agent(self.rpc_agent)
         return self
+
+    async def handle_scheduler(self, comm: Comm) -> None:
+        if not self.joined:
+            await super().handle_scheduler(comm)  # closes this worker when the scheduler goes
+            return
+        try:
+            await self.handle_stream(comm)
+        finally:
+            if self.status in (Status.running, Status.paused):  # the scheduler went
+                self._lose_scheduler()
+            else:
+                await self.close(reason="worker-handle-scheduler-connection-broken")
+
+    def _lose_scheduler(self) -> None:
+        """Go on without the scheduler: stop telling it we live, and serve on."""
+        for name in ("heartbeat", "keep-alive"):
+            callback = self.periodic_callbacks.get(name)
+            if callback is not None:
+                callback.stop()
+        gone = f"the scheduler at {self.scheduler.address} is gone"
+        _logger.warning("rpc peer %r: %s; calls to the peers it knows go on", self.name, gone)
+        self.rpc_agent._lose_scheduler(gone)
 
     async def close(self, *args: Any, **kwargs: Any) -> Any:
         self.rpc_agent._stop(RuntimeError(f"rpc peer {self.name!r} is shutting down"))
