@@ -22,6 +22,7 @@ import aiopar
 from aiopar.backends import Backend, Task, check_count
 
 from ._cluster import loopback_cluster_options
+from ._reach import check_scheduler_blocking
 from ._settle import Settler
 from ._worker import run_task, run_task_async
 
@@ -81,19 +82,20 @@ class DaskBackend(Backend):
         self,
         address: str | None = None,
         *,
-        client: Client | Callable[[], Client] | None = None,
+        client: Client | None = None,
         n_workers: int | None = None,
         threads_per_worker: int | None = None,
         processes: bool = True,
         security: Security | None = None,
+        _client_factory: Callable[[], Client] | None = None,  # inside a task: its worker's
     ) -> None:
         _check_options(address, client, n_workers, threads_per_worker, processes, security)
         self._lock = threading.Lock()
         self._cluster: LocalCluster | None = None
-        self._owns_client = client is None
-        self._client_or_factory = client
+        self._owns_client = client is None and _client_factory is None
+        self._client_or_factory = client or _client_factory
         self._client: Client | None = None
-        if client is None:
+        if self._owns_client:
             if address is None:
                 self._cluster = LocalCluster(
                     n_workers=n_workers,
@@ -109,6 +111,8 @@ class DaskBackend(Backend):
                     self._cluster.close()
                     raise
             else:
+                # dask's Client waits without limit for a server that never answers
+                check_scheduler_blocking(address, security, timeout=0)
                 self._client = Client(address, security=security, set_as_default=False)
         elif isinstance(client, Client):
             self._client = client
@@ -129,7 +133,13 @@ class DaskBackend(Backend):
         if client is None:
             with self._lock:
                 if self._client is None:
-                    self._client = self._client_or_factory()  # type: ignore[operator]
+                    made = self._client_or_factory()  # type: ignore[operator]
+                    if not isinstance(made, Client):
+                        raise TypeError(
+                            f"the dask backend's client factory returned {made!r}, "
+                            f"not a distributed.Client"
+                        )
+                    self._client = made
                 client = self._client
         return client
 
@@ -263,8 +273,11 @@ def _check_options(
             f"address is a scheduler address such as 'tcp://10.0.0.5:8786', "
             f"got {type(address).__name__}"
         )
-    if client is not None and not (isinstance(client, Client) or callable(client)):
-        raise TypeError(f"client must be a distributed.Client, got {type(client).__name__}")
+    if client is not None and not isinstance(client, Client):
+        raise TypeError(
+            f"client must be a distributed.Client (such as distributed.Client(address)), "
+            f"got {client!r}"
+        )
     if address is not None and client is not None:
         raise ValueError("give the dask backend an address or a client, not both")
     for what, n in (("n_workers", n_workers), ("threads_per_worker", threads_per_worker)):

@@ -74,7 +74,7 @@ def _nested_backend() -> aiopar.Backend:
         if _nested is None or _nested.closed:
             from ._backend import DaskBackend
 
-            _nested = DaskBackend(client=distributed.get_client)
+            _nested = DaskBackend(_client_factory=distributed.get_client)
         return _nested
 
 

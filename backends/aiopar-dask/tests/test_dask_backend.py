@@ -341,3 +341,20 @@ def test_tls_through_dasks_security():
         assert backend.fork(double, 4).wait() == 8
     finally:
         backend.shutdown()
+
+
+def test_a_bad_address_or_client_fails_at_use_backend_saying_what_is_there():
+    script = """
+        import socket, dask, aiopar
+        dask.config.set({"distributed.comm.timeouts.connect": "3s"})  # dask's, which it honours
+        silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        for kwargs in ({"address": address}, {"client": lambda: 42}):
+            try:
+                with aiopar.use_backend("dask", **kwargs):
+                    pass
+            except (OSError, TypeError) as exc:
+                print(type(exc).__name__)
+    """
+    done = run_python(script, timeout=90)
+    assert done.stdout.split() == ["TimeoutError", "TypeError"], done.stderr
