@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import inspect
 import logging
@@ -19,7 +18,7 @@ from distributed import Client, KilledWorker, LocalCluster, Security
 from distributed.client import FutureCancelledError
 
 import aiopar
-from aiopar.backends import Backend, Task, check_count
+from aiopar.backends import Backend, Task, at_exit, check_count
 
 from ._cluster import loopback_cluster_options
 from ._reach import check_scheduler_blocking
@@ -216,6 +215,15 @@ class DaskBackend(Backend):
 
     # -- shutdown --------------------------------------------------------------
 
+    def drain(self) -> bool:
+        """Return once no fork of this backend is pending; True if one was."""
+        with self._lock:
+            pending = [future for _, future in self._inflight.values()]
+        if not pending:
+            return False
+        aiopar.collect_all(pending).wait()
+        return True
+
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
         with self._lock:
             if self._closed:
@@ -309,9 +317,7 @@ def _shutdown_live() -> None:
             logging.getLogger("aiopar").exception("shutting down %r at exit", backend)
 
 
-# Pending tasks must finish while the cluster still works: before atexit
-# hooks (distributed closes its clusters there) and before the thread pools
-# that dask's scheduler offloads to refuse new work. Both are true in the
-# hook threading runs at shutdown, last registered first, as
-# concurrent.futures does.
-getattr(threading, "_register_atexit", atexit.register)(_shutdown_live)
+# After every backend has run what was queued (a thread task may still fork
+# here), and while the cluster still works: distributed closes its clients in
+# atexit hooks, which run later.
+at_exit(_shutdown_live)

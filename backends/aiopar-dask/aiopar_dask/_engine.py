@@ -10,7 +10,6 @@ not called.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import multiprocessing.process
 import os
@@ -25,6 +24,7 @@ import distributed
 from distributed import Nanny, Scheduler, Security, SpecCluster
 
 import aiopar
+from aiopar.backends import at_exit
 from aiopar.rpc.agent import RpcBackendOptions, set_current_agent
 
 from ._agent import DaskRpcAgent, close_peer, polls
@@ -359,5 +359,5 @@ def _leave_at_exit() -> None:
                 set_current_agent(None)
 
 
-# Before the thread pools that dask offloads to refuse work (see _backend.py).
-getattr(threading, "_register_atexit", atexit.register)(_leave_at_exit)
+# Once the tasks queued at exit have run, since they may still make calls.
+at_exit(_leave_at_exit)

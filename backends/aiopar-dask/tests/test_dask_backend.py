@@ -277,6 +277,28 @@ def test_interpreter_exit_runs_pending_work(tmp_path):
     assert (tmp_path / "ran").exists()
 
 
+def test_exit_runs_thread_tasks_that_fork_on_dask(tmp_path):
+    # A thread task still queued at exit forks on a dask backend: the dask
+    # backend shuts down only after every backend has run what was queued.
+    script = """
+        import sys, time, aiopar
+
+        def touch(path):
+            open(path, "w").close()
+
+        def task(dask, path):
+            time.sleep(0.2)
+            dask.fork(touch, path).wait(timeout=30)
+
+        if __name__ == "__main__":
+            dask = aiopar.get_backend("dask", n_workers=1, threads_per_worker=1, processes=False)
+            aiopar.get_backend("thread", max_workers=1).fork(task, dask, sys.argv[1])
+    """
+    done = run_python(script, str(tmp_path / "ran"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ran").exists(), done.stderr
+
+
 def test_ctrl_c_cancels_the_forks_that_have_not_started():
     # As on the other backends: after an uncaught Ctrl-C, exit waits only for
     # what is running; the queued forks never start.

@@ -273,6 +273,29 @@ def test_exit_without_shutdown_leaves_nothing_running(tmp_path):
     assert done.stdout.strip() == "3", done.stderr
 
 
+def test_exit_runs_queued_tasks_that_call_peers_before_leaving():
+    # The peer leaves at exit only once the thread tasks still queued have
+    # run: their calls once failed with "this rpc peer has shut down".
+    script = """
+        import time
+        import numpy as np
+        import aiopar
+        from aiopar import rpc
+
+        def call(i):
+            time.sleep(0.1)
+            print(rpc.rpc_sync("worker1", np.add, args=(i, 100)), flush=True)
+
+        rpc.init_rpc("worker0", world_size=2)
+        pool = aiopar.get_backend("thread", max_workers=1)
+        for i in range(4):
+            pool.fork(call, i)
+    """
+    done = run_python(script, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == ["100", "101", "102", "103"], done.stderr
+
+
 def test_tls_through_dasks_security(leaves_nothing_behind):
     pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
     tls = distributed.Security.temporary()
