@@ -17,6 +17,7 @@ Both measure the same way, so their figures compare:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import statistics
 import time
@@ -28,7 +29,6 @@ import numpy as np
 
 import aiopar
 
-from .._budget import budget
 from .._budget import cores as available_cores
 
 __all__ = [
@@ -140,19 +140,11 @@ class Row:
 
     def call(self) -> tuple[object, float]:
         """Run once: the result and the seconds the call took."""
-        if self.blas_threads is None:
+        blas = self.blas_threads
+        with contextlib.nullcontext() if blas is None else aiopar.num_threads(blas):
             start = time.perf_counter()
             result = self.run()
             return result, time.perf_counter() - start
-        # Put back whatever was in force, an OMP_NUM_THREADS count included.
-        explicit, source = budget.explicit, budget.explicit_from
-        aiopar.set_num_threads(self.blas_threads)
-        try:
-            start = time.perf_counter()
-            result = self.run()
-            return result, time.perf_counter() - start
-        finally:
-            budget.set_explicit(explicit, source)
 
     def speedup(self) -> Spread | None:
         """This row's speed-ups over its anchor, round by round (None for an anchor)."""
