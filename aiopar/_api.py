@@ -121,6 +121,9 @@ def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Futur
                 outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
             elif fut._exception is not None:
                 outcome._settle(None, fut._retrieve())
+            # It only mirrors a failure its caller sees, or stopped waiting
+            # for (Ctrl-C): never one to report at collection.
+            outcome._retrieve()
         with lock:
             remaining -= 1
             last = remaining == 0

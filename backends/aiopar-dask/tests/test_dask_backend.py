@@ -323,6 +323,7 @@ def test_ctrl_c_cancels_the_forks_that_have_not_started():
         proc.kill()
     assert "KeyboardInterrupt" in err
     assert "started" not in out, f"forks queued before Ctrl-C still ran: {out}"
+    assert "nobody retrieved" not in err, err  # aiopar's own wait_all leaves nothing unread
 
 
 def test_a_backend_that_failed_to_connect_leaves_exit_clean():
