@@ -1,7 +1,11 @@
 """A peer: a ``distributed.Worker`` that also serves rpc calls.
 
 dask runs the processes (nannies restart dead peers of an embedded
-cluster) and the scheduler lists each peer's name, rank and rpc port.
+cluster) and the scheduler lists each peer's name, rank and rpc port. The
+peers of a cluster share a secret that each connection between them proves
+(see ``_wire``): ``init_rpc`` gives its embedded cluster's peers one, and the
+first peer to join a scheduler makes it and leaves it in the scheduler's
+metadata, where the others find it.
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ import distributed
 
 from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 
+from . import _wire
 from ._agent import DaskRpcAgent
+from ._http import TlsHttp
 
-__all__ = ["Peer"]
+__all__ = ["SECRET_KEY", "Peer"]
+
+SECRET_KEY = "aiopar-rpc-secret"  # the scheduler's metadata key for the cluster's secret
 
 
 class _Value:
@@ -32,12 +40,14 @@ def _rpc_port(worker: Peer) -> int:
     return worker.rpc_agent.port
 
 
-class Peer(distributed.Worker):
+class Peer(TlsHttp, distributed.Worker):
     """A dask worker that is also an rpc peer, named ``name`` with id ``rank``.
 
     ``joined`` marks a peer whose process called ``init_rpc``: graceful
     shutdown waits for those. ``rpc_timeout`` is the default timeout of the
-    calls made from this process.
+    calls made from this process. ``rpc_secret`` is the cluster's secret;
+    without it, the peer takes the one in the scheduler's metadata (making it
+    if it is the first).
     """
 
     def __init__(
@@ -46,9 +56,11 @@ class Peer(distributed.Worker):
         rank: int,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         joined: bool = False,
+        rpc_secret: bytes | None = None,
         **kwargs: Any,
     ) -> None:
         self.rpc_token = uuid.uuid4().hex
+        self.rpc_secret = rpc_secret
         kwargs["startup_information"] = {
             **kwargs.get("startup_information", {}),
             "aiopar_rank": _Value(rank),
@@ -76,5 +88,20 @@ class _Listen(distributed.WorkerPlugin):
 
     name = "aiopar-rpc"
 
-    def setup(self, worker: Peer) -> None:  # type: ignore[override]
-        worker.rpc_agent._listen(worker.ip)
+    async def setup(self, worker: Peer) -> None:  # type: ignore[override]
+        if worker.rpc_secret is None:
+            worker.rpc_secret = await _cluster_secret(worker)
+        worker.rpc_agent._listen(worker.ip, worker.rpc_secret)
+
+
+async def _cluster_secret(worker: Peer) -> bytes:
+    """The secret in the scheduler's metadata; the first peer makes it
+    (under a dask lock, so two peers joining at once find the same)."""
+    scheduler = worker.scheduler
+    async with distributed.Lock(SECRET_KEY, scheduler_rpc=scheduler, loop=worker.loop):
+        found = await scheduler.get_metadata(keys=[SECRET_KEY], default=None)
+        if found is not None:
+            return bytes.fromhex(found)
+        secret = _wire.new_secret()
+        await scheduler.set_metadata(keys=[SECRET_KEY], value=secret.hex())
+        return secret
