@@ -76,6 +76,13 @@ class RemoteFailure(Exception):
         super().__init__(packed)
         self.packed = packed
 
+    def __str__(self) -> str:  # what dask logs: the exception's own last line
+        lines = self.packed[2].strip().splitlines()
+        return lines[-1] if lines else "an exception"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
 
 def _round_trip(make: Callable[[], Any]) -> bytes | None:
     """What ``make()`` returns, pickled (cloudpickle for what plain pickle
