@@ -5,7 +5,11 @@ timeout, so a call that never settles fails the test instead of stalling it.
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
+from aiopar_dask import _wire
 from dask_helpers import run_python
 
 pytestmark = pytest.mark.timeout(240)
@@ -112,3 +116,50 @@ def test_a_frozen_caller_leaves_the_callee_responsive(tmp_path):
     """
     done = run_python(script, str(tmp_path / "frozen"), timeout=120)
     assert done.stdout.splitlines() == ["2"], done.stderr
+
+
+# -- a connection's queue, on a socket pair whose other end reads only when told --------
+
+MB = 1 << 20
+
+
+def read_messages(sock: socket.socket, count: int) -> list[object]:
+    """Read ``count`` messages from ``sock`` as a peer's reader would."""
+    reader = _wire.Connection(sock)
+    return [_wire.loads(reader.receive()[2]) for _ in range(count)]
+
+
+def test_a_send_never_waits_for_the_reader_and_an_abandoned_message_is_not_sent():
+    mine, theirs = socket.socketpair()
+    connection = _wire.Connection(mine)
+    try:
+        big = bytes(32 * MB)  # more than the socket pair buffers: the rest is queued
+        connection.send(_wire.VALUE, 1, *_wire.dumps(big), wait=False)
+        connection.send(_wire.VALUE, 2, *_wire.dumps("dropped"), abandoned=lambda: True)
+        connection.send(_wire.VALUE, 3, *_wire.dumps("sent"), abandoned=lambda: False)
+        # every send returned while nothing was read; now the other side reads
+        assert [len(m) if isinstance(m, bytes) else m for m in read_messages(theirs, 2)] == [
+            32 * MB,
+            "sent",
+        ]
+    finally:
+        connection.close()
+        theirs.close()
+
+
+def test_a_sender_waits_for_room_only_until_its_deadline():
+    mine, theirs = socket.socketpair()
+    connection = _wire.Connection(mine)
+    try:
+        for call_id in range(3):  # fills the queue (its limit is 64 MB)
+            connection.send(_wire.VALUE, call_id, *_wire.dumps(bytes(32 * MB)), wait=False)
+        connection.send(_wire.CALL, 9, *_wire.dumps("late"), deadline=time.monotonic() + 0.2)
+        # it returned without queuing: its caller's timeout fails the call
+        messages = read_messages(theirs, 3)
+        assert [len(m) for m in messages] == [32 * MB] * 3
+        theirs.settimeout(1)
+        with pytest.raises(TimeoutError):
+            theirs.recv(1)  # nothing more came
+    finally:
+        connection.close()
+        theirs.close()
