@@ -117,7 +117,10 @@ def cluster():
         children.append(child)
         assert child.stdout is not None
         line = child.stdout.readline()
-        assert line, child.communicate(timeout=60)[1]
+        if not line:
+            children.remove(child)
+            child.kill()
+            pytest.fail(f"the cluster did not start: {child.communicate(timeout=60)[1]}")
         return json.loads(line)
 
     yield start
