@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import distributed
 from distributed import SpecCluster
-from distributed.core import error_message
 from distributed.worker import _worker_cvar as _worker_context
 
 import aiopar
 from aiopar.backends import set_waiter
 from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
 
-from . import _wire
+from . import _errors, _wire
 from ._link import Link, RpcFuture, Timeouts, fail
 from ._settle import Settler
 from ._worker import Seceder
@@ -187,7 +186,9 @@ class DaskRpcAgent(RpcAgent):
         _, address, port = found
         host = distributed.comm.get_address_host(address)
         context = self._worker.connection_args.get("ssl_context")
-        connection = _wire.connect(host, port, _CONNECT_TIMEOUT, context)
+        secret = self._worker.rpc_secret
+        assert secret is not None  # set before the peer listens, and so before any call
+        connection = _wire.connect(host, port, _CONNECT_TIMEOUT, context, secret)
         with self._lock:
             if self._stopped is not None:
                 connection.close()
@@ -210,9 +211,9 @@ class DaskRpcAgent(RpcAgent):
 
     # -- the callee's side ----------------------------------------------------------------
 
-    def _listen(self, host: str) -> None:
+    def _listen(self, host: str, secret: bytes) -> None:
         context = self._worker.security.get_listen_args("worker").get("ssl_context")
-        self._listener = _wire.Listener(host, context, self._on_call)
+        self._listener = _wire.Listener(host, context, secret, self._on_call)
 
     def _on_call(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
         try:
@@ -340,15 +341,12 @@ def _reply_value(connection: _wire.Connection, call_id: int, value: Any) -> None
         _reply_error(connection, call_id, error)
         return
     with contextlib.suppress(OSError):  # the caller is gone
-        connection.send(_wire.VALUE, call_id, *frames)
+        connection.send(_wire.VALUE, call_id, *frames, wait=False)  # never blocks the pool
 
 
 def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException) -> None:
-    message = error_message(exc)  # dask's: the exception and traceback, pickled (or as text)
-    traceback = message["traceback"]
-    payload = (message["exception"].data, None if traceback is None else traceback.data)
     with contextlib.suppress(OSError):
-        connection.send(_wire.ERROR, call_id, *_wire.dumps(payload))
+        connection.send(_wire.ERROR, call_id, *_wire.dumps(_errors.pack(exc)), wait=False)
 
 
 def _reply_future(connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]) -> None:

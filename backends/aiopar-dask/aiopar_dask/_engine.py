@@ -21,15 +21,17 @@ from collections.abc import Coroutine
 from typing import Any
 
 import distributed
-from distributed import Nanny, Scheduler, Security, SpecCluster
+from distributed import Nanny, Security, SpecCluster
 
 import aiopar
 from aiopar.backends import at_exit
 from aiopar.rpc.agent import RpcBackendOptions, set_current_agent
 
+from . import _wire
 from ._agent import DaskRpcAgent, close_peer, polls
 from ._cluster import LOOPBACK, protocol_for
-from ._peer import Peer
+from ._http import TlsScheduler
+from ._peer import SECRET_KEY, Peer
 from ._reach import check_scheduler
 
 __all__ = ["rpc_engine"]
@@ -39,7 +41,7 @@ _logger = logging.getLogger("aiopar.rpc")
 
 def _scheduler_spec(security: Security | None) -> dict[str, Any]:
     return {
-        "cls": Scheduler,
+        "cls": TlsScheduler,  # its HTTP pages over TLS when the cluster has TLS
         "options": {
             "host": LOOPBACK,
             "port": 0,
@@ -51,10 +53,13 @@ def _scheduler_spec(security: Security | None) -> dict[str, Any]:
     }
 
 
-def _peer_options(rank: int, joined: bool, options: RpcBackendOptions) -> dict[str, Any]:
+def _peer_options(
+    rank: int, joined: bool, options: RpcBackendOptions, secret: bytes | None
+) -> dict[str, Any]:
     return {
         "rank": rank,
         "joined": joined,
+        "rpc_secret": secret,
         "rpc_timeout": options.rpc_timeout,
         "nthreads": options.num_worker_threads,
         "security": options.security,
@@ -85,14 +90,20 @@ async def _start_peer(
     joined: bool,
     options: RpcBackendOptions,
     parts: _Parts | None = None,
+    secret: bytes | None = None,
 ) -> Peer:
     """Start this process's :class:`Peer` on the scheduler at ``address``.
 
     Without a rank it takes the smallest one free, under a dask lock so two
     peers joining at once do not take the same. The peer is noted in
-    ``parts`` as soon as it exists.
+    ``parts`` as soon as it exists. Without ``secret``, the peer takes the
+    cluster's from the scheduler.
     """
-    kwargs = {**_peer_options(0, joined, options), "name": name, "host": _host_towards(address)}
+    kwargs = {
+        **_peer_options(0, joined, options, secret),
+        "name": name,
+        "host": _host_towards(address),
+    }
 
     def new_peer(rank: int) -> Peer:
         peer = Peer(address, **{**kwargs, "rank": rank})
@@ -147,7 +158,9 @@ async def _start(
     """Start this process's peer (and the embedded cluster), noting each in
     ``parts``; the caller stops them if this raises."""
     address = options.init_method
+    secret = None
     if address is None:
+        secret = _wire.new_secret()
         rank = 0 if rank is None else rank
         others = {f"worker{r}": r for r in range(world_size or 1) if r != rank}
         if name in others:
@@ -161,7 +174,7 @@ async def _start(
                 peer_name: {
                     "cls": Nanny,
                     "options": {
-                        **_peer_options(peer_rank, False, options),
+                        **_peer_options(peer_rank, False, options, secret),
                         "name": peer_name,
                         "worker_class": Peer,
                         "host": LOOPBACK,
@@ -176,9 +189,11 @@ async def _start(
         )
         await cluster
         address = cluster.scheduler_address
+        # for peers that join it later (its own got the secret in their options)
+        await cluster.scheduler_comm.set_metadata(keys=[SECRET_KEY], value=secret.hex())
     else:
         await check_scheduler(address, options.security, options.rpc_timeout)
-    peer = await _start_peer(address, name, rank, True, options, parts)
+    peer = await _start_peer(address, name, rank, True, options, parts, secret)
     agent = peer.rpc_agent
     agent.cluster = parts.cluster
     if world_size is not None and options.init_method is not None:

@@ -16,11 +16,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distributed.core import clean_exception
-
 import aiopar
 
-from . import _wire
+from . import _errors, _wire
 from ._settle import Settler
 
 if TYPE_CHECKING:
@@ -84,8 +82,11 @@ class Link:
             limited = 0 < timeout <= threading.TIMEOUT_MAX
             tick = self.agent._timeouts.add(timeout, self, call_id) if limited else None
             self.pending[call_id] = (future, what, tick)
+        deadline = time.monotonic() + timeout if limited else None
         try:
-            self.connection.send(_wire.CALL, call_id, *frames)
+            self.connection.send(
+                _wire.CALL, call_id, *frames, deadline=deadline, abandoned=future.done
+            )
         except OSError as exc:
             self.fail_all(exc)
 
@@ -101,15 +102,18 @@ class Link:
         return future, what
 
     def _read(self) -> None:
+        """The reader thread: it lives as long as the connection; whatever a
+        reply holds settles that reply's call only."""
         _wire_thread.active = True
-        try:
-            while True:
+        while True:
+            try:
                 kind, call_id, frames = self.connection.receive()
-                entry = self.pop(call_id)
-                if entry is not None:  # else it timed out already
-                    settle_reply(entry[0], kind, frames, entry[1], self.name)
-        except Exception as exc:
-            self.fail_all(exc)
+            except BaseException as exc:  # closed, or not a message: the link is broken
+                self.fail_all(exc)
+                return
+            entry = self.pop(call_id)
+            if entry is not None:  # else it timed out already
+                settle_reply(entry[0], kind, frames, entry[1], self.name)
 
     def fail_all(self, exc: BaseException) -> None:
         """The connection broke: every pending call fails, naming the peer."""
@@ -207,25 +211,22 @@ class Timeouts:
 
 
 def settle_reply(future: aiopar.Future[Any], kind: int, frames: Any, what: str, peer: str) -> None:
-    """Unpickle a reply and settle its future."""
+    """Unpickle a reply and settle its future, whatever unpickling raises."""
     try:
         payload = _wire.loads(frames)
-    except Exception as exc:
+        exc = None if kind == _wire.VALUE else _errors.unpack(payload)
+    except BaseException as cause:  # SystemExit too: it came from the reply, not this process
         error = TypeError(
             f"the result of {what} came back from rpc peer {peer!r} but cannot be unpickled "
-            f"here ({type(exc).__name__}: {exc}); is its class importable in this process?"
+            f"here ({type(cause).__name__}: {cause}); is its class importable in this process?"
         )
-        error.__cause__ = exc
+        error.__cause__ = cause
         fail(future, error)
         return
-    if kind == _wire.VALUE:
+    if exc is None:
         with contextlib.suppress(aiopar.InvalidStateError):  # cancelled meanwhile
             future.set_result(payload)
         return
-    _, exc, tb = clean_exception(*payload)
-    assert exc is not None
-    if tb is not None:
-        exc = exc.with_traceback(tb)
     exc.add_note(f"(raised by {what} on rpc peer {peer!r})")
     fail(future, exc)
 

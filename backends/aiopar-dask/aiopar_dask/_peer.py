@@ -6,6 +6,11 @@ scheduler is only the phone book: a peer whose process called ``init_rpc``
 goes on serving and calling the peers it knows when the scheduler is gone
 (a dask worker would close itself). A peer that ``aiopar worker`` or a
 nanny runs leaves then, as dask workers do.
+
+The peers of a cluster share a secret that each connection between them
+proves (see ``_wire``): ``init_rpc`` gives its embedded cluster's peers one,
+and the first peer to join a scheduler makes it and leaves it in the
+scheduler's metadata, where the others find it.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ from distributed.core import Status
 
 from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 
+from . import _wire
 from ._agent import DaskRpcAgent
+from ._http import TlsHttp
 
-__all__ = ["Peer"]
+__all__ = ["SECRET_KEY", "Peer"]
+
+SECRET_KEY = "aiopar-rpc-secret"  # the scheduler's metadata key for the cluster's secret
 
 _logger = logging.getLogger("aiopar.rpc")
 
@@ -41,12 +50,14 @@ def _rpc_port(worker: Peer) -> int:
     return worker.rpc_agent.port
 
 
-class Peer(distributed.Worker):
+class Peer(TlsHttp, distributed.Worker):
     """A dask worker that is also an rpc peer, named ``name`` with id ``rank``.
 
     ``joined`` marks a peer whose process called ``init_rpc``: graceful
     shutdown waits for those, and they outlive the scheduler. ``rpc_timeout``
     is the default timeout of the calls made from this process.
+    ``rpc_secret`` is the cluster's secret; without it, the peer takes the
+    one in the scheduler's metadata (making it if it is the first).
     """
 
     def __init__(
@@ -55,9 +66,11 @@ class Peer(distributed.Worker):
         rank: int,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         joined: bool = False,
+        rpc_secret: bytes | None = None,
         **kwargs: Any,
     ) -> None:
         self.rpc_token = uuid.uuid4().hex
+        self.rpc_secret = rpc_secret
         kwargs["startup_information"] = {
             **kwargs.get("startup_information", {}),
             "aiopar_rank": _Value(rank),
@@ -108,5 +121,20 @@ class _Listen(distributed.WorkerPlugin):
 
     name = "aiopar-rpc"
 
-    def setup(self, worker: Peer) -> None:  # type: ignore[override]
-        worker.rpc_agent._listen(worker.ip)
+    async def setup(self, worker: Peer) -> None:  # type: ignore[override]
+        if worker.rpc_secret is None:
+            worker.rpc_secret = await _cluster_secret(worker)
+        worker.rpc_agent._listen(worker.ip, worker.rpc_secret)
+
+
+async def _cluster_secret(worker: Peer) -> bytes:
+    """The secret in the scheduler's metadata; the first peer makes it
+    (under a dask lock, so two peers joining at once find the same)."""
+    scheduler = worker.scheduler
+    async with distributed.Lock(SECRET_KEY, scheduler_rpc=scheduler, loop=worker.loop):
+        found = await scheduler.get_metadata(keys=[SECRET_KEY], default=None)
+        if found is not None:
+            return bytes.fromhex(found)
+        secret = _wire.new_secret()
+        await scheduler.set_metadata(keys=[SECRET_KEY], value=secret.hex())
+        return secret
