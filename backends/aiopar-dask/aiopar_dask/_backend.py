@@ -21,6 +21,7 @@ import aiopar
 from aiopar.backends import Backend, Task, at_exit, check_count
 
 from ._cluster import loopback_cluster_options
+from ._errors import RemoteFailure, unpack
 from ._reach import check_scheduler_blocking
 from ._settle import Settler
 from ._worker import run_task, run_task_async
@@ -255,6 +256,8 @@ def _settle(future: aiopar.Future[Any], outcome: tuple[Any, BaseException | None
 
 def _translate(exc: BaseException, key: str) -> BaseException:
     """dask's exception for a task, as aiopar raises it."""
+    if isinstance(exc, RemoteFailure):  # the task's own exception (see run_task)
+        return unpack(exc.packed)
     if isinstance(exc, KilledWorker):
         error = aiopar.BrokenWorkerError(
             f"the dask workers that ran task {key!r} died each time (dask gave up: {exc})"

@@ -20,6 +20,8 @@ from distributed.threadpoolexecutor import thread_state as _pool_thread_state
 import aiopar
 from aiopar.backends import set_waiter
 
+from ._errors import RemoteFailure, pack
+
 __all__ = ["Seceder", "run_task", "run_task_async"]
 
 
@@ -92,9 +94,13 @@ def run_task(
     try:
         with aiopar.use_backend(_nested_backend()):
             value = fn(*args, **kwargs)
+    except Exception as exc:
+        failure = RemoteFailure(pack(exc))
+    else:
+        return _timing(t0, value) if timed else value
     finally:
         set_waiter(previous)
-    return _timing(t0, value) if timed else value
+    raise failure  # outside the except: dask would pickle the original as its context
 
 
 async def run_task_async(
@@ -102,6 +108,11 @@ async def run_task_async(
 ) -> Any:
     """Await a forked coroutine function on the dask worker's event loop."""
     t0 = time.time_ns() if timed else 0
-    with aiopar.use_backend(_nested_backend()):
-        value = await fn(*args, **kwargs)
-    return _timing(t0, value) if timed else value
+    try:
+        with aiopar.use_backend(_nested_backend()):
+            value = await fn(*args, **kwargs)
+    except Exception as exc:
+        failure = RemoteFailure(pack(exc))
+    else:
+        return _timing(t0, value) if timed else value
+    raise failure  # outside the except: dask would pickle the original as its context

@@ -118,6 +118,29 @@ def test_exception_keeps_type_and_remote_traceback(procs):
     assert "inner_helper" in text  # the frames from the worker process
 
 
+def test_a_failure_deep_in_the_stack_settles_its_fork():
+    # dask's own exception transport asserts on a traceback too deep to
+    # pickle: the fork stayed pending for ever, and exit hung.
+    script = """
+        import aiopar
+
+        def deep(n):
+            if n:
+                return deep(n - 1)
+            raise ValueError("at the bottom")
+
+        if __name__ == "__main__":
+            with aiopar.use_backend("dask", n_workers=1, threads_per_worker=1):
+                try:
+                    aiopar.fork(deep, 900).wait(timeout=60)
+                except ValueError as exc:
+                    print(exc)
+    """
+    done = run_python(script, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "at the bottom", done.stderr
+
+
 def test_arguments_and_results_cross_processes(procs):
     a = np.arange(1_000_000, dtype=np.float64)
     assert procs.fork(array_sum, a).wait() == a.sum()
