@@ -163,3 +163,27 @@ def test_a_sender_waits_for_room_only_until_its_deadline():
     finally:
         connection.close()
         theirs.close()
+
+
+def test_ten_thousand_calls_in_flight_need_no_thread_each():
+    # Threads per process stay bounded by a constant however many calls are
+    # in flight: neither side starts a thread per call or per reply.
+    script = """
+        import threading
+        from aiopar import rpc
+
+        rpc.init_rpc("worker0", world_size=2)
+        rpc.rpc_sync("worker1", len, args=((),))  # the link and its threads exist
+        before = threading.active_count(), rpc.rpc_sync("worker1", threading.active_count)
+        calls = [rpc.rpc_async("worker1", len, args=((i,),)) for i in range(10_000)]
+        during = threading.active_count()
+        assert sum(call.wait(timeout=60) for call in calls) == 10_000
+        after = threading.active_count(), rpc.rpc_sync("worker1", threading.active_count)
+        print(max(after[0], during) - before[0], after[1] - before[1])
+        rpc.shutdown()
+    """
+    done = run_python(script, timeout=120)
+    assert done.returncode == 0, done.stderr
+    caller, callee = (int(n) for n in done.stdout.split())
+    assert caller <= 4, done.stdout  # a writer thread for the queued sends, and such
+    assert callee <= 20, done.stdout  # at most its pool (16 threads) and a writer
