@@ -79,7 +79,9 @@ def dumps(obj: Any) -> tuple[Frames, list[bool]]:
     if b"__main__" in data:
         buffers.clear()
         data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
-    views = [memoryview(b).cast("B") for b in buffers]
+    # raw(): the bytes of any contiguous buffer, a zero-length dimension
+    # included (a cast of a view with zeros in its shape fails).
+    views = [b.raw() for b in buffers]
     return [data, *views], [True, *(not v.readonly for v in views)]
 
 
@@ -231,19 +233,20 @@ class _Outgoing:
     __slots__ = ("abandoned", "size", "started", "views")
 
     def __init__(self, views: list[memoryview], abandoned: Callable[[], bool] | None) -> None:
-        self.views = [v.cast("B") for v in views]
+        # An empty frame (an array with a zero-length dimension) has nothing
+        # to write, and a send that wrote 0 bytes of it would never end.
+        self.views = [v.cast("B") for v in views if v.nbytes]
         self.size = sum(v.nbytes for v in self.views)
         self.abandoned = abandoned
         self.started = False
 
     def consume(self, sent: int) -> None:
-        while sent:
-            first = self.views[0]
-            if sent < first.nbytes:
-                self.views[0] = first[sent:]
-                return
-            sent -= first.nbytes
-            del self.views[0]
+        views = self.views
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            del views[0]
+        if sent:
+            views[0] = views[0][sent:]
 
 
 # -- the handshake ------------------------------------------------------------------
