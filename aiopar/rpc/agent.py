@@ -280,17 +280,24 @@ def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     """Run an incoming call in this thread and return what the agent replies with.
 
     A coroutine that ``fn`` returns is wrapped in an :class:`aiopar.Future`,
-    to be awaited on aiopar's loop thread. A Future (what an
-    ``@async_execution`` function returns, or any ``fn`` may) is not a
-    value to send: the agent replies with its outcome once it is done, from
-    its done-callback, holding no thread meanwhile. Raises what ``fn``
-    raises, and TypeError if an ``@async_execution`` function returns
-    something else than a Future or a coroutine.
+    to be awaited on aiopar's loop thread. The Future an
+    ``@async_execution`` function returns is not a value to send: the agent
+    replies with its outcome once it is done, from its done-callback,
+    holding no thread meanwhile. Raises what ``fn`` raises, and TypeError if
+    an ``@async_execution`` function returns something else than a Future
+    or a coroutine, or if any other function returns a Future (as torch).
     """
     result = fn(*args, **kwargs)
     if inspect.iscoroutine(result):
         return wrap(result)  # a coroutine function: awaited on aiopar's loop thread
-    if not isinstance(result, Future) and is_async_execution(fn):
+    if isinstance(result, Future) != is_async_execution(fn):
+        if isinstance(result, Future):
+            # torch fails such a call at once too: a Future is no value to send
+            raise TypeError(
+                f"{_name(fn)} returned an aiopar.Future: decorate it with "
+                f"@rpc.functions.async_execution for its caller to get the Future's "
+                f"value once it is done, or return the value itself"
+            )
         raise TypeError(
             f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
             f"return an aiopar.Future, but it returned {type(result).__name__}"

@@ -300,3 +300,16 @@ def test_odd_arrays_travel_as_arguments_and_results(peers):
     # A zero-length dimension once failed the call ("cannot cast view with zeros in shape")
     for what, sent in odd_arrays().items():
         assert_same_array(rpc.rpc_sync("worker1", echo, args=(sent,)), sent, what)
+
+
+def returns_a_future_undecorated():
+    future = aiopar.Future()
+    future.set_result(1)
+    return future
+
+
+def test_a_plain_function_that_returns_a_future_fails_at_once(peers):
+    # It was taken for an async_execution one (its caller waited for the Future, the
+    # whole timeout if it never finished); torch fails the call at once.
+    with pytest.raises(TypeError, match=r"@rpc\.functions\.async_execution"):
+        rpc.rpc_sync("worker1", returns_a_future_undecorated, timeout=30)
