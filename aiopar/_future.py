@@ -91,6 +91,13 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         # "aiopar.Future": next to concurrent.futures' and asyncio's own in messages
         return f"<aiopar.{type(self).__name__} at {id(self):#x} {_STATE_NAMES[state]}{detail}>"
 
+    def __reduce__(self) -> Any:
+        # A future lives in one process: its waiters and callbacks cannot travel.
+        raise TypeError(
+            f"an aiopar.{type(self).__name__} cannot be pickled; send its value "
+            f"(fut.wait()) or, across rpc peers, an RRef (rpc.remote)"
+        )
+
     # -- state -------------------------------------------------------------
 
     def done(self) -> bool:

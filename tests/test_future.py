@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import pickle
 import threading
 import time
 import traceback
 
+import cloudpickle
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -299,3 +301,10 @@ def _try(fn) -> bool:
     except InvalidStateError:
         return False
     return True
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps])
+def test_a_future_cannot_be_pickled_and_says_what_to_send_instead(dumps):
+    # It once failed on the future's lock: "cannot pickle '_thread.lock' object".
+    with pytest.raises(TypeError, match=r"aiopar\.Future cannot be pickled; send its value"):
+        dumps([1, aiopar.Future()])
