@@ -44,6 +44,9 @@ class FakeAgent(RpcAgent):
     def default_timeout(self) -> float:
         return self._timeout
 
+    def set_default_timeout(self, seconds: float) -> None:
+        self._timeout = seconds
+
     def peer(self, to: str | int) -> WorkerInfo:
         for info in self._peers:
             if to in (info.name, info.id):

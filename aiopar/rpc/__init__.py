@@ -10,7 +10,20 @@ the calls comes from a plugin (``pip install aiopar-dask``); see
 """
 
 from . import functions
-from ._api import get_worker_info, init_rpc, is_available, remote, rpc_async, rpc_sync, shutdown
+from ._api import (
+    _set_rpc_timeout as _set_rpc_timeout,  # torch's tests' spelling
+)
+from ._api import (
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    is_available,
+    remote,
+    rpc_async,
+    rpc_sync,
+    set_rpc_timeout,
+    shutdown,
+)
 from ._rref import RRef
 from .agent import (
     DEFAULT_RPC_TIMEOUT,
@@ -26,11 +39,13 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "functions",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
     "is_available",
     "remote",
     "rpc_async",
     "rpc_sync",
+    "set_rpc_timeout",
     "shutdown",
 ]

@@ -10,15 +10,17 @@ from .._budget import check_count
 from .._future import Future
 from . import agent as _agent
 from ._rref import RRef, _collected, _create, _new_id, forget_owned, send_collected
-from .agent import RpcBackendOptions, WorkerInfo, check_timeout
+from .agent import RpcBackendOptions, WorkerInfo, check_rpc_timeout, check_timeout
 
 __all__ = [
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
     "is_available",
     "remote",
     "rpc_async",
     "rpc_sync",
+    "set_rpc_timeout",
     "shutdown",
 ]
 
@@ -172,6 +174,32 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     if worker_name is None:
         return agent.worker_info
     return agent.peer(_check_to(worker_name))
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this process's calls, in seconds (0: no limit).
+
+    It is ``rpc_timeout`` of the options given to :func:`init_rpc` until
+    :func:`set_rpc_timeout` changes it; a call whose timeout is -1 (the
+    default) uses it. Raises RuntimeError if this process is not a peer.
+    """
+    return _agent.current_agent().default_timeout
+
+
+def set_rpc_timeout(rpc_timeout: float) -> None:
+    """Make ``rpc_timeout`` seconds the default timeout of this process's
+    later calls (0 or ``float("inf")``: no limit); calls already made keep
+    theirs. torch's tests spell it ``_set_rpc_timeout``, which is this.
+
+    Raises ValueError for anything but a number of seconds >= 0, and
+    RuntimeError if this process is not a peer.
+    """
+    seconds = check_rpc_timeout(rpc_timeout)
+    # as every timeout: more seconds than a lock can wait mean no limit
+    _agent.current_agent().set_default_timeout(check_timeout(seconds, seconds))
+
+
+_set_rpc_timeout = set_rpc_timeout
 
 
 def rpc_async(

@@ -38,6 +38,7 @@ __all__ = [
     "RpcEngine",
     "WorkerInfo",
     "check_address",
+    "check_rpc_timeout",
     "current_agent",
     "find_engine",
     "installed_engines",
@@ -118,11 +119,7 @@ class RpcBackendOptions:
     security: Any = None
 
     def __post_init__(self) -> None:
-        timeout = self.rpc_timeout
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout >= 0:
-            raise ValueError(
-                f"rpc_timeout is a number of seconds >= 0 (0 or inf: no limit), got {timeout!r}"
-            )
+        check_rpc_timeout(self.rpc_timeout)
         if self.init_method is not None:
             check_address(self.init_method, "init_method")
         check_count(self.num_worker_threads, "num_worker_threads")
@@ -172,6 +169,10 @@ class RpcAgent(ABC):
     @abstractmethod
     def default_timeout(self) -> float:
         """Seconds a call may take when the caller gives no timeout (0: no limit)."""
+
+    @abstractmethod
+    def set_default_timeout(self, seconds: float) -> None:
+        """Make ``seconds`` (0: no limit) the :attr:`default_timeout` of later calls."""
 
     @abstractmethod
     def peer(self, to: str | int) -> WorkerInfo:
@@ -313,6 +314,20 @@ def is_async_execution(fn: Callable[..., Any]) -> bool:
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def check_rpc_timeout(rpc_timeout: object) -> float:
+    """``rpc_timeout`` (a default timeout) if it is a number of seconds >= 0
+    (0 or inf: no limit); ValueError otherwise."""
+    if (
+        isinstance(rpc_timeout, bool)
+        or not isinstance(rpc_timeout, int | float)
+        or not rpc_timeout >= 0  # also NaN
+    ):
+        raise ValueError(
+            f"rpc_timeout is a number of seconds >= 0 (0 or inf: no limit), got {rpc_timeout!r}"
+        )
+    return float(rpc_timeout)
 
 
 def check_timeout(timeout: object, default: float) -> float:

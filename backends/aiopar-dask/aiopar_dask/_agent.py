@@ -85,6 +85,9 @@ class DaskRpcAgent(RpcAgent):
     def default_timeout(self) -> float:
         return self._default_timeout
 
+    def set_default_timeout(self, seconds: float) -> None:
+        self._default_timeout = seconds
+
     def peer(self, to: str | int) -> WorkerInfo:
         found = self._lookup(to)
         if found is None and self._scheduler_gone is None:

@@ -69,6 +69,19 @@ def test_the_default_timeout_is_set_in_init_rpc(leaves_nothing_behind):
             rpc.rpc_sync("worker1", after_timer, args=(5, None))
         assert rpc.rpc_sync("worker1", after_timer, args=(0.5, "late"), timeout=5) == "late"
         assert rpc.rpc_sync("worker1", after_timer, args=(0.5, "ok"), timeout=0) == "ok"
+        # and read and changed after it, as torch's get_rpc_timeout and _set_rpc_timeout
+        assert rpc.get_rpc_timeout() == 0.3
+        rpc.set_rpc_timeout(10)
+        assert rpc.get_rpc_timeout() == 10
+        assert rpc.rpc_sync("worker1", after_timer, args=(0.5, "longer")) == "longer"
+        rpc._set_rpc_timeout(0.2)
+        with pytest.raises(TimeoutError, match=r"after 0\.2 s"):
+            rpc.rpc_sync("worker1", after_timer, args=(5, None))
+        rpc.set_rpc_timeout(float("inf"))
+        assert rpc.get_rpc_timeout() == 0  # no limit, as RpcBackendOptions spells it
+        for bad in (-1, "1", None, float("nan")):
+            with pytest.raises(ValueError, match="rpc_timeout is a number of seconds"):
+                rpc.set_rpc_timeout(bad)
     finally:
         rpc.shutdown()
 
