@@ -180,7 +180,11 @@ def test_calls_before_init_rpc_say_so():
 @pytest.mark.parametrize(
     ("kwargs", "error", "words"),
     [
-        ({"name": ""}, TypeError, "non-empty string"),
+        ({"name": ""}, ValueError, "1 to 128 of the characters"),
+        ({"name": "a" * 129}, ValueError, "1 to 128 of the characters"),
+        ({"name": "worker 1"}, ValueError, "1 to 128 of the characters"),
+        ({"name": "w/1"}, ValueError, "1 to 128 of the characters"),
+        ({"name": 7}, TypeError, "non-empty string"),
         ({"name": "w", "rank": -2}, ValueError, "rank must be a whole number >= 0"),
         ({"name": "w", "world_size": 0}, ValueError, "world_size must be"),
         ({"name": "w", "rank": 2, "world_size": 2}, ValueError, "rank must be < world_size"),

@@ -10,7 +10,13 @@ from .._budget import check_count
 from .._future import Future
 from . import agent as _agent
 from ._rref import RRef, _collected, _create, _new_id, forget_owned, send_collected
-from .agent import RpcBackendOptions, WorkerInfo, check_rpc_timeout, check_timeout
+from .agent import (
+    RpcBackendOptions,
+    WorkerInfo,
+    check_peer_name,
+    check_rpc_timeout,
+    check_timeout,
+)
 
 __all__ = [
     "get_rpc_timeout",
@@ -72,21 +78,22 @@ def init_rpc(
     - RuntimeError if this process is a peer already (call :func:`shutdown`
       first), or no engine is installed (the message says which
       distribution to install);
-    - ValueError for a name or rank that another peer has, a name the
-      embedded cluster gives one of its own peers, ``rank >= world_size``
-      (for an embedded cluster, a rank above 0 without ``world_size``),
-      a rank or world size that is not a whole number (ranks from 0, world
-      sizes from 1), or an engine ``backend`` that is not installed;
-    - TypeError for an empty or non-string ``name``, options that are
-      not :class:`RpcBackendOptions`, or a ``backend`` that is not a string;
+    - ValueError for a name torch refuses (empty, over 128 characters, or
+      with a character other than ``A-Za-z0-9_-:``), a name or rank that
+      another peer has, a name the embedded cluster gives one of its own
+      peers, ``rank >= world_size`` (for an embedded cluster, a rank above
+      0 without ``world_size``), a rank or world size that is not a whole
+      number (ranks from 0, world sizes from 1), or an engine ``backend``
+      that is not installed;
+    - TypeError for a ``name`` that is not a string, options that are not
+      :class:`RpcBackendOptions`, or a ``backend`` that is not a string;
     - TimeoutError if, joining a scheduler, fewer than ``world_size`` peers
       have joined after the options' ``rpc_timeout`` seconds (never, if it
       is 0 or infinite);
     - OSError naming the scheduler's address, and what was found there, if
       no dask scheduler answers at it within ``rpc_timeout`` seconds (aiopar-dask).
     """
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"name is this peer's name, a non-empty string, got {name!r}")
+    check_peer_name(name)
     if rank == -1:  # torch's "not set"
         rank = None
     check_count(rank, "rank", minimum=0, none="the smallest free one")

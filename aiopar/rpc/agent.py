@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -38,6 +39,7 @@ __all__ = [
     "RpcEngine",
     "WorkerInfo",
     "check_address",
+    "check_peer_name",
     "check_rpc_timeout",
     "current_agent",
     "find_engine",
@@ -316,6 +318,22 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
+_PEER_NAME = re.compile(r"[A-Za-z0-9_\-:]{1,128}")
+
+
+def check_peer_name(name: object) -> None:
+    """Refuse a peer name torch would refuse: TypeError for a non-string,
+    ValueError for an empty one, one longer than 128 characters, or one with
+    a character other than letters, digits, ``_``, ``-`` and ``:``."""
+    if not isinstance(name, str):
+        raise TypeError(f"name is the peer's name, a non-empty string, got {name!r}")
+    if not _PEER_NAME.fullmatch(name):
+        raise ValueError(
+            f"a peer's name is 1 to 128 of the characters A-Z a-z 0-9 _ - : (as torch's), "
+            f"got {name!r}"
+        )
+
+
 def check_rpc_timeout(rpc_timeout: object) -> float:
     """``rpc_timeout`` (a default timeout) if it is a number of seconds >= 0
     (0 or inf: no limit); ValueError otherwise."""
@@ -395,7 +413,6 @@ def serve_peer(
 ) -> None:
     """Run this process as the peer ``name`` of the cluster at ``scheduler``
     until it is interrupted (what ``aiopar worker`` does)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"name is the peer's name, a non-empty string, got {name!r}")
+    check_peer_name(name)
     check_address(scheduler, "scheduler")
     find_engine(backend).serve(scheduler, name, rank, options or RpcBackendOptions())
