@@ -540,3 +540,31 @@ def test_the_core_imports_no_engine():
     done = python("-c", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_init_rpc_takes_torchs_positional_order_and_backend_type(monkeypatch):
+    started = []
+
+    class Engine(FakeEngine):
+        def start(self, name, rank, world_size, options) -> FakeAgent:
+            started.append((name, rank, world_size, options.rpc_timeout))
+            return super().start(name, rank, world_size, options)
+
+    asked = []
+    engine = Engine()
+
+    def find_engine(backend=None):
+        asked.append(backend)
+        return engine
+
+    monkeypatch.setattr(rpc_agent, "find_engine", find_engine)
+    # init_rpc(name, backend, rank, world_size, rpc_backend_options), as torch's
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=5)
+    rpc.init_rpc("w0", rpc.BackendType.TENSORPIPE, 0, 2, options)
+    try:
+        assert started == [("w0", 0, 2, 5)]
+        assert asked[-1] == "dask"  # TENSORPIPE stands for the default engine
+        assert rpc.get_rpc_timeout() == 5
+    finally:
+        rpc.shutdown()
+    assert rpc.BackendType.DASK == "dask"

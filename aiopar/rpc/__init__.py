@@ -27,6 +27,7 @@ from ._api import (
 from ._rref import RRef
 from .agent import (
     DEFAULT_RPC_TIMEOUT,
+    BackendType,
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     WorkerInfo,
@@ -34,6 +35,7 @@ from .agent import (
 
 __all__ = [
     "DEFAULT_RPC_TIMEOUT",
+    "BackendType",
     "RRef",
     "RpcBackendOptions",
     "TensorPipeRpcBackendOptions",

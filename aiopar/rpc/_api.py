@@ -46,11 +46,10 @@ def is_available() -> bool:
 
 def init_rpc(
     name: str,
-    rank: int | None = None,
+    backend: str | None = None,
+    rank: int | None = -1,
     world_size: int | None = None,
     rpc_backend_options: RpcBackendOptions | None = None,
-    *,
-    backend: str | None = None,
 ) -> None:
     """Make this process the peer called ``name``; return once it can call and be called.
 
@@ -65,8 +64,9 @@ def init_rpc(
     the smallest free one; when ``world_size`` is given, ``init_rpc``
     returns once that many peers have joined (as every process of a torch
     job calls it). ``rank=-1`` is torch's "not set", the same as None.
-    ``backend`` names the engine when several are installed (by default
-    ``"dask"``, or the only one).
+    ``backend`` names the engine when several are installed, as a
+    :class:`BackendType` or an engine's name (by default ``"dask"``, or the
+    only one). The positional order is torch's.
 
     Calls from several threads are serialised: one of them makes this
     process a peer, the others raise RuntimeError. If it raises (or is

@@ -16,6 +16,7 @@ callee, the agent runs each incoming call through :func:`run_callee`.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import os
 import re
@@ -34,6 +35,7 @@ from .._future import Future
 __all__ = [
     "DEFAULT_RPC_TIMEOUT",
     "ENTRY_POINT_GROUP",
+    "BackendType",
     "RpcAgent",
     "RpcBackendOptions",
     "RpcEngine",
@@ -59,6 +61,18 @@ DEFAULT_RPC_TIMEOUT = 60.0
 The default of :attr:`RpcBackendOptions.rpc_timeout`; a call with no reply
 by then fails with TimeoutError.
 """
+
+
+class BackendType(enum.StrEnum):
+    """The engines ``init_rpc(backend=...)`` takes, as torch's ``BackendType``.
+
+    Each member is the engine's name, so a plain string works as well.
+    ``TENSORPIPE``, torch's default, stands for aiopar's default engine, so
+    code written for torch runs unchanged.
+    """
+
+    DASK = "dask"
+    TENSORPIPE = "dask"
 
 
 class _WorkerInfoFields(NamedTuple):
