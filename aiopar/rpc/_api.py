@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -9,7 +10,15 @@ from typing import Any, TypeVar
 from .._budget import check_count
 from .._future import Future
 from . import agent as _agent
-from ._rref import RRef, _collected, _create, _new_id, forget_owned, send_collected
+from ._rref import (
+    RRef,
+    _collected,
+    _create,
+    _new_id,
+    forget_if_timed_out,
+    forget_owned,
+    send_collected,
+)
 from .agent import (
     RpcBackendOptions,
     WorkerInfo,
@@ -301,8 +310,9 @@ def remote(
     coroutine, are waited for on ``to``: their outcome is the value.
 
     ``timeout`` (as in :func:`rpc_async`) bounds the call that creates the
-    value, not the uses of the RRef; if it fails, the value may still
-    appear, but :meth:`RRef.confirmed_by_owner` stays False. The arguments
+    value, not the uses of the RRef; if it times out, the RRef fails, as
+    torch's does: its uses raise that TimeoutError, and the owner drops
+    the value, if it made it, when this peer next calls. The arguments
     and what is raised at once are those of :func:`rpc_async`.
     """
     agent = _agent.current_agent()
@@ -319,6 +329,7 @@ def remote(
         {},
         check_timeout(timeout, agent.default_timeout),
     )
+    created.add_done_callback(functools.partial(forget_if_timed_out, owner, rref_id))
     return RRef._make(owner, rref_id, created)
 
 

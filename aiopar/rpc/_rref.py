@@ -132,7 +132,19 @@ def _delete(rref_ids: list[str]) -> None:
                 _deleted_early.add(rref_id)
 
 
-_collected: deque[tuple[WorkerInfo, str]] = deque()  # RRefs collected here, by owner
+_collected: deque[tuple[WorkerInfo, str]] = deque()
+
+
+def _timed_out(created: Future[Any]) -> bool:
+    return isinstance(created._exception, TimeoutError)
+
+
+def forget_if_timed_out(owner: WorkerInfo, rref_id: str, created: Future[Any]) -> None:
+    """A done-callback of the call that creates a value: if it timed out, the
+    RRef has failed, so the owner is told to drop the value (with the next
+    call from this peer), made or not."""
+    if _timed_out(created):
+        _collected.append((owner, rref_id))  # RRefs collected here, by owner
 
 
 def send_collected(agent: _agent.RpcAgent) -> None:
@@ -224,7 +236,13 @@ class RRef(Generic[T]):
         # The garbage collector may run this in any thread, holding any lock:
         # only note the id here (deque.append takes no lock); the next call
         # from this peer sends it (see send_collected).
-        if self._created is not None and not self._shared and self._id.startswith(_prefix):
+        created = self._created
+        if (
+            created is not None
+            and not self._shared
+            and self._id.startswith(_prefix)
+            and not _timed_out(created)  # then dropped already (see forget_if_timed_out)
+        ):
             _collected.append((self._owner, self._id))
 
     # -- where it lives -------------------------------------------------------------
@@ -271,6 +289,8 @@ class RRef(Generic[T]):
             )
         self._raise_if_creation_failed()
         value: T = _slot(self._id).wait()
+        if self._created is not None:
+            self._created.wait()  # as in to_here
         return value
 
     def to_here(self, timeout: float = -1) -> T:
@@ -296,6 +316,10 @@ class RRef(Generic[T]):
         else:
             fetch = (self._id, self._made_by_owner())
             value = agent.call(self._owner, _fetch, fetch, {}, seconds).wait()
+        if self._created is not None:
+            # The value exists, so the call that made it has replied or failed
+            # (it timed out: then the RRef fails, as torch's does).
+            self._created.wait()
         return value
 
     def _made_by_owner(self) -> bool:

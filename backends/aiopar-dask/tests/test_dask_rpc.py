@@ -12,7 +12,7 @@ import distributed
 import numpy as np
 import pytest
 from aiopar_dask import DaskBackend
-from dask_helpers import after_timer, child_pids, fail_deep, listening_addresses
+from dask_helpers import after_timer, child_pids, fail_deep, listening_addresses, wait_until
 
 import aiopar
 from aiopar import rpc
@@ -313,3 +313,24 @@ def test_a_plain_function_that_returns_a_future_fails_at_once(peers):
     # whole timeout if it never finished); torch fails the call at once.
     with pytest.raises(TypeError, match=r"@rpc\.functions\.async_execution"):
         rpc.rpc_sync("worker1", returns_a_future_undecorated, timeout=30)
+
+
+def slow_value(value):
+    time.sleep(0.5)
+    return value
+
+
+def values_owned() -> int:
+    from aiopar.rpc import _rref
+
+    return len(_rref._owned)
+
+
+def test_a_remote_whose_creation_times_out_fails_and_its_owner_keeps_nothing(peers):
+    # to_here() once returned the value anyway, and the owner kept it, as torch does not.
+    before = rpc.rpc_sync("worker1", values_owned)
+    rref = rpc.remote("worker1", slow_value, args=(42,), timeout=0.1)
+    with pytest.raises(TimeoutError, match=r"no reply after 0\.1 s"):
+        rref.to_here(timeout=10)
+    assert not rref.confirmed_by_owner()
+    assert wait_until(lambda: rpc.rpc_sync("worker1", values_owned) == before, timeout=10)
