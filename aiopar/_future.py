@@ -29,7 +29,7 @@ from ._interop import CfCondition, LoopCallback, adapt_callback
 from ._log import logger as _logger
 from ._waiter import Waiter, get_waiter, set_waiter
 
-__all__ = ["Future", "Waiter", "get_waiter", "set_waiter"]
+__all__ = ["Future", "Waiter", "get_waiter", "set_callback_runner", "set_waiter"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -513,6 +513,35 @@ def _drain_deferred_callbacks() -> None:
     deferred = _local.__dict__.get("deferred")
     while deferred:
         _call_each(*deferred.popleft())
+
+
+class _HandOff:
+    """A thread's "deferred" queue that hands each batch of callbacks to
+    another thread instead of keeping it (see :func:`set_callback_runner`)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[..., object]) -> None:
+        self.run = run
+
+    def append(self, item: tuple[Future[Any], list[Any]]) -> None:
+        self.run(_call_each, *item)
+
+    def __bool__(self) -> bool:
+        return False  # nothing ever waits here to be drained
+
+
+def set_callback_runner(run: Callable[..., object] | None) -> None:
+    """From now on, the callbacks of the futures that this thread settles run
+    through ``run(fn, *args)`` (which runs them in another thread, in order)
+    instead of in this thread; None: in this thread again.
+
+    For a thread that must never block, as one that reads replies off a
+    connection: a callback may block, even on a reply that thread is to
+    read. Each future's callbacks stay in registration order, and stay
+    together.
+    """
+    _local.deferred = None if run is None else _HandOff(run)
 
 
 _PACKAGE_DIR = os.path.dirname(__file__) + os.sep

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from .._future import set_callback_runner
 from .._waiter import Waiter, get_waiter, set_waiter
 from ._base import Backend, Task, at_exit, check_count
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_count",
     "create_backend",
     "get_waiter",
+    "set_callback_runner",
     "set_waiter",
 ]
 

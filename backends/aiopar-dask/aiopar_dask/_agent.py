@@ -26,7 +26,7 @@ from aiopar.backends import set_waiter
 from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
 
 from . import _errors, _wire
-from ._link import Link, RpcFuture, Timeouts, fail
+from ._link import Link, Timeouts, fail
 from ._settle import Settler
 from ._worker import Seceder
 
@@ -62,7 +62,7 @@ class DaskRpcAgent(RpcAgent):
         self._peers: dict[str, tuple[WorkerInfo, str, int]] = {}  # name -> (info, address, port)
         self._links: dict[str, Link] = {}  # by callee name
         self._settler = Settler("rpc")
-        self._timeouts = Timeouts()
+        self._timeouts = Timeouts(self._settler.call)
         self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
         self._listener: _wire.Listener | None = None
         self._stopped: BaseException | None = None
@@ -127,7 +127,7 @@ class DaskRpcAgent(RpcAgent):
                 f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        future = RpcFuture(self._settler)
+        future: aiopar.Future[Any] = aiopar.Future()
         what = _name(fn)
         try:
             link = self._link(to.name)

@@ -17,42 +17,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiopar
+from aiopar.backends import set_callback_runner
 
 from . import _errors, _wire
-from ._settle import Settler
 
 if TYPE_CHECKING:
     from ._agent import DaskRpcAgent
 
-__all__ = ["Link", "RpcFuture", "Timeouts", "fail", "settle_reply"]
+__all__ = ["Link", "Timeouts", "fail", "settle_reply"]
 
 _TICK = 0.05  # timeouts are checked this often
-
-# Threads that read connections: a done-callback never runs there (see RpcFuture).
-_wire_thread = threading.local()
-
-
-class RpcFuture(aiopar.Future[Any]):
-    """The future of a call. The thread that reads replies settles it, which
-    wakes ``rpc_sync`` at once; a done-callback that would run in that thread
-    runs in the settler thread instead, since it may block."""
-
-    __slots__ = ("_settler",)
-
-    def __init__(self, settler: Settler) -> None:
-        super().__init__()
-        self._settler = settler
-
-    def add_done_callback(self, fn: Callable[[aiopar.Future[Any]], object]) -> None:
-        settler = self._settler
-
-        def off_the_wire(future: aiopar.Future[Any]) -> None:
-            if getattr(_wire_thread, "active", False):
-                settler.call(fn, future)
-            else:
-                fn(future)
-
-        super().add_done_callback(off_the_wire)
 
 
 class Link:
@@ -104,7 +78,8 @@ class Link:
     def _read(self) -> None:
         """The reader thread: it lives as long as the connection; whatever a
         reply holds settles that reply's call only."""
-        _wire_thread.active = True
+        # A callback may block, even on a reply this thread is to read.
+        set_callback_runner(self.agent._settler.call)
         while True:
             try:
                 kind, call_id, frames = self.connection.receive()
@@ -146,9 +121,11 @@ class Link:
 
 
 class Timeouts:
-    """Deadlines of pending calls, checked every ``_TICK`` s by one thread."""
+    """Deadlines of pending calls, checked every ``_TICK`` s by one thread,
+    which hands the callbacks of the calls it fails to ``run_callbacks``."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_callbacks: Callable[..., object]) -> None:
+        self._run_callbacks = run_callbacks
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         # tick -> the calls due then: (link, call id) -> timeout
@@ -181,6 +158,7 @@ class Timeouts:
                 due.pop((link, call_id), None)
 
     def _run(self) -> None:
+        set_callback_runner(self._run_callbacks)  # this thread only keeps time
         while True:
             with self._lock:
                 while True:

@@ -334,3 +334,29 @@ def test_a_remote_whose_creation_times_out_fails_and_its_owner_keeps_nothing(pee
         rref.to_here(timeout=10)
     assert not rref.confirmed_by_owner()
     assert wait_until(lambda: rpc.rpc_sync("worker1", values_owned) == before, timeout=10)
+
+
+def test_a_then_callback_may_call_the_same_peer_and_callbacks_keep_their_order(peers):
+    # then() callbacks once ran on the thread that reads the peer's replies,
+    # ahead of the done-callbacks added before them: a blocking call to the same
+    # peer there waited for a reply that thread was to read, until its timeout.
+    ran: list[str] = []
+    call = rpc.rpc_async("worker1", after_timer, args=(0.3, 1))
+    call.add_done_callback(lambda _: ran.append("first"))
+    chained = call.then(
+        lambda done: (ran.append("then"), rpc.rpc_sync("worker1", len, args=((1, 2),)))[1]
+    )
+    assert chained.wait(timeout=30) == 2
+    assert ran == ["first", "then"]
+
+
+def test_done_callbacks_of_a_call_take_asyncios_context_keyword(peers):
+    import contextvars
+
+    var = contextvars.ContextVar("var", default="outside")
+    context = contextvars.copy_context()
+    context.run(var.set, "inside")
+    seen = aiopar.Future()
+    call = rpc.rpc_async("worker1", after_timer, args=(0.1, 1))
+    call.add_done_callback(lambda _: seen.set_result(var.get()), context=context)
+    assert seen.wait(timeout=30) == "inside"
