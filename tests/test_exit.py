@@ -138,7 +138,9 @@ QUEUED_THEN_INTERRUPTED = """
 
     def task(i):
         say(f"started {{i}}")
-        time.sleep(1.5)
+        # long enough that a loaded machine still handles the Ctrl-C before
+        # a worker is free to start another (1.5 s was not, in a full run)
+        time.sleep(3)
         say(f"finished {{i}}")
 
     futs = [aiopar.fork(task, i) for i in range(20)]
