@@ -255,6 +255,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         if self._state >= CANCELLED:
             return True
         if _get_running_loop() is not None or _sniffio_thread.name is not None:
+            # _loop.running_async_library() inline: a call fewer on every wait's path
             _warn_blocking_loop()  # an event loop runs in this thread
         task = self._task
         local = _local.__dict__
