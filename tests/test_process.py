@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -320,6 +321,30 @@ def test_classes_from_main_come_back_as_themselves(pool):
         pool.fork(namespace["boom"], namespace["Point"](3)).wait()
     point = pool.fork(namespace["make"], 5).wait()
     assert type(point) is namespace["Point"] and point.x == 5
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_an_unguarded_script_starts_its_workers_once(how, tmp_path):
+    # Workers are fresh interpreters: multiprocessing's spawn would run the
+    # script again in each, and cannot start any for a script read from stdin.
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import os, aiopar\n"
+        'print("the script starts", flush=True)\n'
+        'with aiopar.use_backend("process", max_workers=2):\n'
+        "    pids = aiopar.wait_all([aiopar.fork(os.getpid) for _ in range(4)])\n"
+        'print("elsewhere:", os.getpid() not in pids)\n'
+    )
+    with script.open() as source:
+        done = subprocess.run(
+            [sys.executable, script.name if how == "file" else "-"],
+            stdin=subprocess.DEVNULL if how == "file" else source,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+        )
+    assert (done.returncode, done.stdout) == (0, "the script starts\nelsewhere: True\n"), done
 
 
 def test_prefetch_adapts_to_task_length(own_pool):

@@ -11,7 +11,7 @@ import pytest
 from process_helpers import add, eventually, exit_now, kill_self, segfault
 
 import aiopar
-from aiopar.backends import _process_handle
+from aiopar.backends import _fresh
 
 # The shared fixtures; nothing_left_behind checks every test (autouse).
 nothing_left_behind = process_helpers.nothing_left_behind
@@ -70,7 +70,7 @@ def test_an_idle_worker_that_dies_is_replaced(own_pool):
 
 
 def test_workers_that_cannot_start_fail_the_queue(own_pool, monkeypatch):
-    monkeypatch.setattr(_process_handle, "BOOT", "import sys; sys.exit(7)")
+    monkeypatch.setattr(_fresh, "BOOT", "import sys; sys.exit(7)")
     backend = own_pool(1)
     with pytest.raises(aiopar.BrokenWorkerError, match="before they were ready"):
         backend.fork(add, 1).wait(timeout=30)

@@ -20,6 +20,7 @@ from typing import Any
 from .._future import set_callback_runner
 from .._waiter import Waiter, get_waiter, set_waiter
 from ._base import Backend, Task, at_exit, check_count
+from ._fresh import fresh_python
 
 __all__ = [
     "Backend",
@@ -29,6 +30,7 @@ __all__ = [
     "available_backends",
     "check_count",
     "create_backend",
+    "fresh_python",
     "get_waiter",
     "set_callback_runner",
     "set_waiter",

@@ -9,7 +9,6 @@ import os
 import selectors
 import socket
 import subprocess
-import sys
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -17,19 +16,12 @@ from typing import TYPE_CHECKING, Any
 from .._future import Future
 from . import _process_wire as wire
 from ._base import Task
+from ._fresh import fresh_python
 
 if TYPE_CHECKING:
     from .process import ProcessBackend
 
-__all__ = ["BOOT", "Job", "Worker", "importable", "pidfd_open", "unregister"]
-
-# Nothing is imported before sys.path is the parent's: ``python -c`` puts the
-# working directory first, where a json.py or socket.py would shadow the
-# standard library's module. argv: socket fd, parent pid, then sys.path.
-BOOT = (
-    "import sys; sys.path[:] = sys.argv[3:]; "
-    "from aiopar.backends._process_worker import main; main(int(sys.argv[1]), int(sys.argv[2]))"
-)
+__all__ = ["Job", "Worker", "pidfd_open", "unregister"]
 
 
 class Job:
@@ -57,16 +49,9 @@ class Worker:
     def __init__(self, backend: ProcessBackend, index: int) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            command = [
-                sys.executable,
-                # The flags this interpreter runs with (-X, -W...), as multiprocessing passes them.
-                *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-                "-c",
-                BOOT,
-                str(child_end.fileno()),
-                str(os.getpid()),
-                *backend._path,
-            ]
+            command = fresh_python(
+                "aiopar.backends._process_worker:main", child_end.fileno(), path=backend._path
+            )
             self.process = subprocess.Popen(
                 command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL
             )
@@ -111,8 +96,3 @@ def unregister(selector: selectors.BaseSelector, worker: Worker) -> None:
         if fileobj is not None:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 selector.unregister(fileobj)
-
-
-def importable(path: list[Any]) -> list[str]:
-    """The entries of ``sys.path`` a worker can use (strings and path objects)."""
-    return [os.fspath(p) for p in path if isinstance(p, str | os.PathLike)]

@@ -15,12 +15,9 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import select
 import signal
 import socket
 import sys
-import threading
-import time
 import traceback
 from collections import deque
 from typing import Any
@@ -31,8 +28,9 @@ from . import _process_wire as wire
 __all__ = ["main"]
 
 
-def main(fd: int, parent_pid: int) -> None:
-    _exit_with_parent(parent_pid)
+def main(fd: str) -> None:
+    """Serve the parent on the socket ``fd`` (started by :func:`._fresh.fresh_python`,
+    which also ends this process with its parent)."""
     # Ctrl-C in a terminal reaches the whole process group: the parent
     # decides what happens to the tasks, not each worker on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -43,7 +41,7 @@ def main(fd: int, parent_pid: int) -> None:
 
     pool = wire.SegmentPool()
     released: deque[int] = deque()  # parent segments this process no longer maps
-    channel = wire.Channel(socket.socket(fileno=fd), pool.release, released.append)
+    channel = wire.Channel(socket.socket(fileno=int(fd)), pool.release, released.append)
     try:
         channel.send(wire.READY, os.getpid())
         while True:
@@ -60,28 +58,6 @@ def main(fd: int, parent_pid: int) -> None:
         pass  # the parent is gone or shut the pool down
     finally:
         pool.close()
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit as soon as the parent process dies, however it dies (SIGKILL
-    included) and whatever the worker is doing: no task is worth running
-    for a parent that cannot take its result."""
-    try:
-        pidfd: int | None = os.pidfd_open(parent_pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3: poll the parent's pid instead
-        pidfd = None
-    if os.getppid() != parent_pid:  # it died before the watch began
-        os._exit(1)
-
-    def watch() -> None:
-        if pidfd is not None:
-            select.select([pidfd], [], [])  # readable once the process has exited
-        else:
-            while os.getppid() == parent_pid:
-                time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="aiopar-parent-watch", daemon=True).start()
 
 
 def _drain(released: deque[int]) -> list[int]:

@@ -71,9 +71,10 @@ from .. import _budget
 from .._future import Future
 from . import _process_wire as wire
 from ._base import Backend, Task, check_count
+from ._fresh import importable
 from ._process_dispatch import PREFETCH_BUDGET_NS, dispatch
 from ._process_errors import RemoteError, RemoteTraceback, unpicklable_part
-from ._process_handle import Job, Worker, importable
+from ._process_handle import Job, Worker
 from ._process_manager import manage
 from ._process_shutdown import GRACE, join, live, stop
 

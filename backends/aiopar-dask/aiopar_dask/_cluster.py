@@ -12,6 +12,8 @@ from typing import Any
 
 from distributed import Security
 
+from ._nanny import FreshNanny
+
 __all__ = ["LOOPBACK", "loopback_cluster_options", "protocol_for"]
 
 LOOPBACK = "127.0.0.1"
@@ -32,7 +34,9 @@ def loopback_cluster_options(security: Security | None, processes: bool) -> dict
         "scheduler_kwargs": {"dashboard": False},  # the HTTP server only, no bokeh pages
         "protocol": protocol_for(security),
     }
-    if not processes:
+    if processes:
+        options["worker_class"] = FreshNanny  # the user's __main__ is not run again
+    else:
         # In one process the comms need no sockets at all.
         options["protocol"] = "inproc://"
         del options["host"]

@@ -21,7 +21,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import distributed
-from distributed import Nanny, Security, SpecCluster
+from distributed import Security, SpecCluster
 
 import aiopar
 from aiopar.backends import at_exit
@@ -31,6 +31,7 @@ from . import _wire
 from ._agent import DaskRpcAgent, close_peer, polls
 from ._cluster import LOOPBACK, protocol_for
 from ._http import TlsScheduler
+from ._nanny import FreshNanny
 from ._peer import SECRET_KEY, Peer
 from ._reach import check_scheduler
 
@@ -172,7 +173,7 @@ async def _start(
             scheduler=_scheduler_spec(options.security),
             workers={
                 peer_name: {
-                    "cls": Nanny,
+                    "cls": FreshNanny,
                     "options": {
                         **_peer_options(peer_rank, False, options, secret),
                         "name": peer_name,

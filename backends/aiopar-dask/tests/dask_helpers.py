@@ -7,7 +7,6 @@ processes import them from here.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import distributed
+import psutil
 import pytest
 
 import aiopar
@@ -72,22 +72,14 @@ def wait_until(condition: Callable[[], object], timeout: float, interval: float 
     return True
 
 
-def child_pids() -> set[int]:
-    """Live (not yet reaped) child processes of this process, but multiprocessing's
-    resource tracker."""
-    me = str(os.getpid())
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me and not _is_resource_tracker(entry):  # fields: state, ppid, ...
-            children.add(int(entry))
-    return children
+def descendant_pids() -> set[int]:
+    """Live (not yet reaped) processes this process started, and the ones
+    they started (a nanny's worker), but multiprocessing's resource tracker."""
+    return {
+        child.pid
+        for child in psutil.Process().children(recursive=True)
+        if not _is_resource_tracker(str(child.pid))
+    }
 
 
 def _is_resource_tracker(pid: str) -> bool:
@@ -108,11 +100,11 @@ class Leftovers:
     """The child processes and aiopar threads started since it was made."""
 
     def __init__(self) -> None:
-        self._children = child_pids()
+        self._children = descendant_pids()
         self._threads = aiopar_threads()
 
     def processes(self) -> set[int]:
-        return child_pids() - self._children
+        return descendant_pids() - self._children
 
     def threads(self) -> set[threading.Thread]:
         return aiopar_threads() - self._threads

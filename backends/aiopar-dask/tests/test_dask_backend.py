@@ -16,7 +16,7 @@ import pytest
 from aiopar_dask import DaskBackend
 from dask_helpers import (
     Leftovers,
-    child_pids,
+    descendant_pids,
     fail_deep,
     listening_addresses,
     loopback_cluster,
@@ -153,7 +153,7 @@ def test_coroutine_function_runs_on_the_worker_loop(procs):
 
 def test_nested_fork_and_wait_never_deadlock_a_one_thread_worker(procs):
     # Raw dask deadlocks here: the parent holds the only thread, the child waits for it.
-    assert procs.fork(countdown, 4).wait() in child_pids()
+    assert procs.fork(countdown, 4).wait() in descendant_pids()
 
 
 def test_then_callbacks_may_block_on_other_forks(inproc):
@@ -178,7 +178,7 @@ def test_profiler_shows_a_row_per_dask_worker(procs):
     with profile() as prof:
         procs.fork(sleep_then, 0.05, None).wait()
     (record,) = prof.records
-    assert record.worker.pid in child_pids()
+    assert record.worker.pid in descendant_pids()
     assert record.worker.name.startswith("dask worker")
     assert record.fork_ns <= record.start_ns < record.end_ns
     trace = prof.chrome_trace()
@@ -218,11 +218,11 @@ def test_fork_after_shutdown_says_so():
 
 @pytest.mark.parametrize("processes", [False, True], ids=["in-process", "processes"])
 def test_embedded_cluster_listens_on_loopback_only(processes):
-    before = child_pids()
+    before = descendant_pids()
     backend = DaskBackend(n_workers=1, threads_per_worker=1, processes=processes)
     try:
         assert backend.fork(double, 1).wait() == 2
-        pids = {os.getpid(), *(child_pids() - before)}
+        pids = {os.getpid(), *(descendant_pids() - before)}
         assert listening_addresses(pids) == {"127.0.0.1"}
     finally:
         backend.shutdown()

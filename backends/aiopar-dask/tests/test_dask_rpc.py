@@ -12,7 +12,7 @@ import distributed
 import numpy as np
 import pytest
 from aiopar_dask import DaskBackend
-from dask_helpers import after_timer, child_pids, fail_deep, listening_addresses, wait_until
+from dask_helpers import after_timer, descendant_pids, fail_deep, listening_addresses, wait_until
 
 import aiopar
 from aiopar import rpc
@@ -23,11 +23,11 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def peers():
     """This process is worker0; worker1 and worker2 are processes with one thread each."""
-    before = child_pids()
+    before = descendant_pids()
     rpc.init_rpc(
         "worker0", world_size=3, rpc_backend_options=rpc.RpcBackendOptions(num_worker_threads=1)
     )
-    yield child_pids() - before
+    yield descendant_pids() - before
     rpc.shutdown()
 
 

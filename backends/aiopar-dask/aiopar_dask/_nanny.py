@@ -1,0 +1,156 @@
+"""dask nannies in fresh interpreters, for the clusters aiopar starts.
+
+A :class:`distributed.Nanny` started in the user's process starts its worker
+with multiprocessing, which runs the user's ``__main__`` again there: a
+script without an ``if __name__ == "__main__":`` guard then starts its
+cluster over and over, and a script read from stdin cannot start one. A
+:class:`FreshNanny` runs the nanny in a fresh interpreter instead
+(:func:`aiopar.backends.fresh_python`), whose own ``__main__`` is nothing of
+the user's: the worker processes it starts, and starts again when one dies,
+run only dask's code and the tasks they are sent. It exits with the process
+that started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+import psutil
+from distributed import Nanny
+from distributed.deploy.spec import ProcessInterface
+from distributed.utils import silence_logging_cmgr
+
+from aiopar.backends import fresh_python
+
+__all__ = ["FreshNanny"]
+
+_logger = logging.getLogger("aiopar.dask")
+
+# How long a nanny may take to stop its worker once told to, before it is killed.
+CLOSE_TIMEOUT = 10.0
+
+
+class FreshNanny(ProcessInterface):
+    """A :class:`distributed.Nanny` in a process of its own, for ``SpecCluster``
+    (and ``LocalCluster(worker_class=FreshNanny)``): it takes the nanny's
+    arguments, and its ``address`` is the nanny's once it has started."""
+
+    def __init__(self, scheduler: str, name: object = None, **options: Any) -> None:
+        super().__init__(scheduler, name)
+        self.scheduler = scheduler
+        self.name = name
+        self.options = options
+        self.worker_address: str | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self._channel: socket.socket | None = None
+
+    async def start(self) -> None:
+        """Start the nanny and return once it has registered its worker with
+        the scheduler; raise what stopped it if it could not."""
+        ours, theirs = socket.socketpair()
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *fresh_python("aiopar_dask._nanny:serve", theirs.fileno()),
+                pass_fds=[theirs.fileno()],
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._channel = ours
+        ours.setblocking(False)
+        await _send(ours, (self.scheduler, self.name, self.options))
+        try:
+            started = await _receive(ours)
+        except EOFError:
+            started = ("failed", f"it exited with code {await self.process.wait()}")
+        if started[0] != "started":
+            await self.close()
+            raise RuntimeError(f"the nanny of worker {self.name!r} did not start: {started[1]}")
+        _, self.address, self.worker_address = started
+        await super().start()
+
+    async def close(self) -> None:
+        """Tell the nanny to stop its worker and exit; kill it (and what it
+        started) if it has not exited within ``CLOSE_TIMEOUT`` seconds."""
+        process, channel = self.process, self._channel
+        self.process = self._channel = None
+        if channel is not None:
+            channel.close()  # the nanny's end reads EOF: it closes its worker and exits
+        if process is not None:
+            try:
+                await asyncio.wait_for(process.wait(), CLOSE_TIMEOUT)
+            except TimeoutError:
+                _kill_tree(process.pid)
+                await process.wait()
+        await super().close()
+
+
+def _kill_tree(pid: int) -> None:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        parent = psutil.Process(pid)
+        for child in parent.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        parent.kill()
+
+
+async def _send(channel: socket.socket, message: object) -> None:
+    data = pickle.dumps(message)
+    await asyncio.get_running_loop().sock_sendall(channel, len(data).to_bytes(8, "big") + data)
+
+
+async def _receive(channel: socket.socket) -> Any:
+    loop = asyncio.get_running_loop()
+    data = b""
+    while len(data) < 8 or len(data) < 8 + int.from_bytes(data[:8], "big"):
+        chunk = await loop.sock_recv(channel, 65536)
+        if not chunk:
+            raise EOFError("the other end closed its socket")
+        data += chunk
+    return pickle.loads(data[8:])
+
+
+def serve(fd: str) -> None:
+    """The nanny process: read what to start from the socket ``fd``, start
+    it, send back its addresses (or why it failed), and run until the
+    socket closes or the nanny stops."""
+    # Ctrl-C in a terminal reaches the whole process group: the process
+    # that started the cluster decides when it stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    asyncio.run(_serve(socket.socket(fileno=int(fd))))
+
+
+async def _serve(channel: socket.socket) -> None:
+    channel.setblocking(False)
+    scheduler, name, options = await _receive(channel)
+    with contextlib.ExitStack() as stack:
+        if options.get("silence_logs"):  # also what the nanny logs as it closes
+            stack.enter_context(silence_logging_cmgr(options["silence_logs"]))
+        await _run_nanny(channel, scheduler, name, options)
+
+
+async def _run_nanny(channel: socket.socket, scheduler: str, name: object, options: Any) -> None:
+    try:
+        nanny = await Nanny(scheduler, name=name, **options)
+    except Exception:
+        await _send(channel, ("failed", traceback.format_exc()))
+        sys.exit(1)
+    await _send(channel, ("started", nanny.address, nanny.worker_address))
+    told = asyncio.ensure_future(asyncio.get_running_loop().sock_recv(channel, 1))  # EOF: stop
+    finished = asyncio.ensure_future(nanny.finished())
+    await asyncio.wait([told, finished], return_when=asyncio.FIRST_COMPLETED)
+    for wait in (told, finished):
+        wait.cancel()
+    await nanny.close(reason="its cluster closed it")
+    channel.close()

@@ -1,0 +1,47 @@
+"""A user's script as typed: no ``if __name__ == "__main__":`` guard, saved
+to a file or piped to ``python -``. The clusters aiopar starts never run
+the script again in their processes (multiprocessing's spawn would)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+UNGUARDED = """\
+import os
+import aiopar
+from aiopar import rpc
+
+print("the script starts", flush=True)
+
+with aiopar.use_backend("dask", n_workers=2, threads_per_worker=1):
+    pids = aiopar.wait_all([aiopar.fork(os.getpid) for _ in range(4)])
+    print("dask elsewhere:", os.getpid() not in pids, flush=True)
+
+rpc.init_rpc("worker0", world_size=2)
+print("rpc elsewhere:", rpc.rpc_sync("worker1", os.getpid) != os.getpid(), flush=True)
+rpc.shutdown()
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_an_unguarded_script_runs_once_with_a_cluster_and_rpc_peers(how, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    with script.open() as source:
+        done = subprocess.run(
+            [sys.executable, script.name if how == "file" else "-"],
+            stdin=subprocess.DEVNULL if how == "file" else source,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=150,
+        )
+    assert done.returncode == 0, done.stderr
+    expected = "the script starts\ndask elsewhere: True\nrpc elsewhere: True\n"
+    assert done.stdout == expected, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
