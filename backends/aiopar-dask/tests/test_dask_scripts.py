@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,3 +47,30 @@ def test_an_unguarded_script_runs_once_with_a_cluster_and_rpc_peers(how, tmp_pat
     expected = "the script starts\ndask elsewhere: True\nrpc elsewhere: True\n"
     assert done.stdout == expected, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_killed_script_leaves_no_cluster_process_behind(tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, psutil, time, aiopar\n"
+            "with aiopar.use_backend('dask', n_workers=2, threads_per_worker=1):\n"
+            "    aiopar.fork(os.getpid).wait()\n"
+            "    print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)\n"
+            "    time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [int(pid) for pid in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(pids) >= 4  # two nannies, two workers
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive, f"still running after their script was killed: {alive}"
