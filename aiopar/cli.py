@@ -619,7 +619,11 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument("--scheduler", required=True, metavar="ADDRESS", help="tcp://host:port")
     worker.add_argument("--name", required=True, help="this peer's unique name")
     worker.add_argument(
-        "--rank", type=int, metavar="N", help="this peer's id (default: the smallest free one)"
+        "--rank",
+        type=int,
+        metavar="N",
+        help="this peer's rank, counted by init_rpc's world_size (default: none; "
+        "the peer's id is then negative)",
     )
     worker.add_argument(
         "--nthreads", type=_positive_int, default=16, metavar="N", help="calls run at once"

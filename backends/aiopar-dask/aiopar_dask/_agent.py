@@ -1,6 +1,6 @@
 """The rpc agent of one peer: it knows the peers, calls them, and serves their calls.
 
-The scheduler is the phone book (each peer's name, rank and rpc port). A
+The scheduler is the phone book (each peer's name, id and rpc port). A
 call goes on the :class:`~._link.Link` to its callee, connected on first
 use. The callee runs each call in its worker's thread pool; a call blocked
 in ``wait`` leaves the pool after 0.1 s (so another thread takes its place),
@@ -54,9 +54,9 @@ _POLL = 0.05  # seconds before the first new look at the scheduler while waiting
 class DaskRpcAgent(RpcAgent):
     """The rpc agent of one :class:`Peer`."""
 
-    def __init__(self, worker: Peer, rank: int, default_timeout: float) -> None:
+    def __init__(self, worker: Peer, peer_id: int, default_timeout: float) -> None:
         self._worker = worker
-        self._rank = rank
+        self._id = peer_id
         self._default_timeout = default_timeout
         self._lock = threading.Lock()
         self._peers: dict[str, tuple[WorkerInfo, str, int]] = {}  # name -> (info, address, port)
@@ -79,7 +79,7 @@ class DaskRpcAgent(RpcAgent):
 
     @property
     def worker_info(self) -> WorkerInfo:
-        return WorkerInfo(str(self._worker.name), self._rank)
+        return WorkerInfo(str(self._worker.name), self._id)
 
     @property
     def default_timeout(self) -> float:
@@ -168,9 +168,9 @@ class DaskRpcAgent(RpcAgent):
     async def _refresh_peers(self) -> None:
         identity = await self._worker.scheduler.identity(n_workers=-1)
         peers = {
-            str(w["name"]): (WorkerInfo(str(w["name"]), w["aiopar_rank"]), a, w["aiopar_rpc_port"])
+            str(w["name"]): (WorkerInfo(str(w["name"]), w["aiopar_id"]), a, w["aiopar_rpc_port"])
             for a, w in identity["workers"].items()
-            if "aiopar_rank" in w
+            if "aiopar_id" in w
         }
         with self._lock:
             self._peers = peers

@@ -10,10 +10,12 @@ not called.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing.process
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -32,7 +34,7 @@ from ._agent import DaskRpcAgent, close_peer, polls
 from ._cluster import LOOPBACK, protocol_for
 from ._http import TlsScheduler
 from ._nanny import FreshNanny
-from ._peer import SECRET_KEY, Peer
+from ._peer import JOINED_KEY, SECRET_KEY, Peer
 from ._reach import check_scheduler
 
 __all__ = ["rpc_engine"]
@@ -55,10 +57,10 @@ def _scheduler_spec(security: Security | None) -> dict[str, Any]:
 
 
 def _peer_options(
-    rank: int, joined: bool, options: RpcBackendOptions, secret: bytes | None
+    peer_id: int, joined: bool, options: RpcBackendOptions, secret: bytes | None
 ) -> dict[str, Any]:
     return {
-        "rank": rank,
+        "peer_id": peer_id,
         "joined": joined,
         "rpc_secret": secret,
         "rpc_timeout": options.rpc_timeout,
@@ -95,10 +97,14 @@ async def _start_peer(
 ) -> Peer:
     """Start this process's :class:`Peer` on the scheduler at ``address``.
 
-    Without a rank it takes the smallest one free, under a dask lock so two
-    peers joining at once do not take the same. The peer is noted in
-    ``parts`` as soon as it exists. Without ``secret``, the peer takes the
-    cluster's from the scheduler.
+    Without a rank, a peer that joins (``init_rpc``) takes the smallest
+    rank free, and one that only serves (``aiopar worker``) takes no rank:
+    its id is negative (-1, -2, ...), so it never stands in for a rank of
+    ``world_size``. Ids are chosen under a dask lock, so two peers joining
+    at once do not take the same. A ranked peer is recorded in the
+    scheduler's metadata as having joined. The peer is noted in ``parts``
+    as soon as it exists. Without ``secret``, the peer takes the cluster's
+    from the scheduler.
     """
     kwargs = {
         **_peer_options(0, joined, options, secret),
@@ -106,8 +112,8 @@ async def _start_peer(
         "host": _host_towards(address),
     }
 
-    def new_peer(rank: int) -> Peer:
-        peer = Peer(address, **{**kwargs, "rank": rank})
+    def new_peer(peer_id: int) -> Peer:
+        peer = Peer(address, **{**kwargs, "peer_id": peer_id})
         if parts is not None:
             parts.peer = peer
         return peer
@@ -118,24 +124,25 @@ async def _start_peer(
         clash = [
             w["name"]
             for a, w in others["workers"].items()
-            if a != peer.address and w.get("aiopar_rank") == rank
+            if a != peer.address and w.get("aiopar_id") == rank
         ]
         if clash:
             await peer.close(reason="rank taken")
             raise ValueError(
                 f"rank {rank} is taken by rpc peer {clash[0]!r}; give each a rank of its own"
             )
-        return peer
-    async with (
-        distributed.Client(
-            address, security=options.security, asynchronous=True, set_as_default=False
-        ) as client,
-        distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=client.scheduler, loop=client.loop),
-    ):
-        identity = await client.scheduler.identity(n_workers=-1)
-        taken = {w["aiopar_rank"] for w in identity["workers"].values() if "aiopar_rank" in w}
-        free = min(set(range(len(taken) + 1)) - taken)
-        return await _registered(new_peer(free), name)
+    else:
+        async with (
+            distributed.Client(
+                address, security=options.security, asynchronous=True, set_as_default=False
+            ) as client,
+            distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=client.scheduler, loop=client.loop),
+        ):
+            identity = await client.scheduler.identity(n_workers=-1)
+            taken = {w["aiopar_id"] for w in identity["workers"].values() if "aiopar_id" in w}
+            ids = itertools.count(0) if joined else itertools.count(-1, -1)
+            peer = await _registered(new_peer(next(i for i in ids if i not in taken)), name)
+    return peer
 
 
 async def _registered(peer: Peer, name: str) -> Peer:
@@ -203,17 +210,26 @@ async def _start(
 
 
 async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) -> None:
-    """torch's rendezvous: return once ``world_size`` peers have joined."""
-    names: list[str] = []
+    """torch's rendezvous: return once ranks 0 to ``world_size - 1`` have
+    each joined the scheduler (counted when they join, so a rank that has
+    joined and left already counts too)."""
+    scheduler = agent._worker.scheduler
+    missing: list[int] = []
     async for _ in polls(time.monotonic() + timeout if timeout else None):
-        await agent._refresh_peers()
-        names = sorted(agent._peers)
-        if len(names) >= world_size:
+        joined = await scheduler.get_metadata(keys=[JOINED_KEY], default={})
+        missing = [rank for rank in range(world_size) if str(rank) not in joined]
+        if not missing:
+            await agent._refresh_peers()
             return
     raise TimeoutError(
-        f"init_rpc waited {timeout:g} s for {world_size} peers, and only these joined: "
-        f"{', '.join(names)}"
+        f"init_rpc waited {timeout:g} s for ranks 0 to {world_size - 1} to join, and "
+        f"{_ranks(missing)} did not"
     )
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:10])) + (", ..." if len(ranks) > 10 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
 class _LoopThread:
@@ -282,23 +298,41 @@ class _Engine:
         self, scheduler: str, name: str, rank: int | None, options: RpcBackendOptions
     ) -> None:
         """Run the peer ``name`` on ``scheduler`` in this process until it is
-        interrupted (SIGINT, SIGTERM) or the scheduler goes away."""
+        interrupted (SIGINT, SIGTERM) or the scheduler goes away, saying on
+        stderr what it serves once it has joined, and why it stopped."""
         _check_security(options.security)
 
         async def main() -> None:
             await check_scheduler(scheduler, options.security, options.rpc_timeout)
             peer = await _start_peer(scheduler, name, rank, False, options)
-            stop = asyncio.Event()
+            peer_id = peer.rpc_agent.worker_info.id
+            which = f"rank {peer_id}" if peer_id >= 0 else f"id {peer_id}, no rank"
+            _say(
+                f"rpc peer {name!r} ({which}) serves at {peer.address} "
+                f"for the scheduler at {scheduler}; Ctrl-C or SIGTERM stops it"
+            )
+            why = asyncio.get_running_loop().create_future()
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, stop.set)
-            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(peer.finished())]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for wait in waits:
-                wait.cancel()
+                loop.add_signal_handler(signum, _settle_once, why, signal.Signals(signum).name)
+            finished = asyncio.ensure_future(peer.finished())
+            await asyncio.wait([why, finished], return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            reason = why.result() if why.done() else f"the scheduler at {scheduler} went away"
             await peer.close(reason="aiopar worker stopped")
+            _say(f"rpc peer {name!r} stopped: {reason}")
 
         asyncio.run(main())
+
+
+def _settle_once(future: asyncio.Future[str], value: str) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"aiopar worker: {line}\n")
+    sys.stderr.flush()
 
 
 def _check_security(security: object) -> None:

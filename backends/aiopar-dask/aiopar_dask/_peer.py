@@ -1,7 +1,7 @@
 """A peer: a ``distributed.Worker`` that also serves rpc calls.
 
 dask runs the processes (nannies restart dead peers of an embedded
-cluster) and the scheduler lists each peer's name, rank and rpc port. The
+cluster) and the scheduler lists each peer's name, id and rpc port. The
 scheduler is only the phone book: a peer whose process called ``init_rpc``
 goes on serving and calling the peers it knows when the scheduler is gone
 (a dask worker would close itself). A peer that ``aiopar worker`` or a
@@ -29,9 +29,10 @@ from . import _wire
 from ._agent import DaskRpcAgent
 from ._http import TlsHttp
 
-__all__ = ["SECRET_KEY", "Peer"]
+__all__ = ["JOINED_KEY", "SECRET_KEY", "Peer"]
 
 SECRET_KEY = "aiopar-rpc-secret"  # the scheduler's metadata key for the cluster's secret
+JOINED_KEY = "aiopar-rpc-joined"  # and for each rank that joined: {str(rank): name}
 
 _logger = logging.getLogger("aiopar.rpc")
 
@@ -51,7 +52,8 @@ def _rpc_port(worker: Peer) -> int:
 
 
 class Peer(TlsHttp, distributed.Worker):
-    """A dask worker that is also an rpc peer, named ``name`` with id ``rank``.
+    """A dask worker that is also an rpc peer, named ``name`` with id
+    ``peer_id``: its rank, or a negative id for a peer without one.
 
     ``joined`` marks a peer whose process called ``init_rpc``: graceful
     shutdown waits for those, and they outlive the scheduler. ``rpc_timeout``
@@ -63,7 +65,7 @@ class Peer(TlsHttp, distributed.Worker):
     def __init__(
         self,
         *args: Any,
-        rank: int,
+        peer_id: int,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         joined: bool = False,
         rpc_secret: bytes | None = None,
@@ -73,7 +75,7 @@ class Peer(TlsHttp, distributed.Worker):
         self.rpc_secret = rpc_secret
         kwargs["startup_information"] = {
             **kwargs.get("startup_information", {}),
-            "aiopar_rank": _Value(rank),
+            "aiopar_id": _Value(peer_id),
             "aiopar_joined": _Value(joined),
             "aiopar_token": _Value(self.rpc_token),
             "aiopar_rpc_port": _rpc_port,
@@ -81,10 +83,13 @@ class Peer(TlsHttp, distributed.Worker):
         kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)
         self.joined = joined
-        self.rpc_agent = DaskRpcAgent(self, rank, rpc_timeout)
+        self.rpc_agent = DaskRpcAgent(self, peer_id, rpc_timeout)
 
     async def start_unsafe(self) -> Peer:
         await super().start_unsafe()
+        peer_id = self.rpc_agent.worker_info.id
+        if peer_id >= 0:  # a rank: world_size counts it from now on, even once it has left
+            await self.scheduler.set_metadata(keys=[JOINED_KEY, str(peer_id)], value=self.name)
         set_current_agent(self.rpc_agent)
         return self
 

@@ -11,7 +11,14 @@ import time
 import distributed
 import numpy as np
 import pytest
-from dask_helpers import Leftovers, after_timer, run_python, start_python, wait_until
+from dask_helpers import (
+    Leftovers,
+    after_timer,
+    loopback_cluster,
+    run_python,
+    start_python,
+    wait_until,
+)
 
 import aiopar
 from aiopar import rpc
@@ -164,6 +171,96 @@ def test_aiopar_worker_serves_until_interrupted(scheduler, leaves_nothing_behind
             helper.stderr.close()
 
 
+def aiopar_worker(scheduler: str, name: str, *more: str) -> subprocess.Popen[str]:
+    """``aiopar worker`` as a user starts it, its messages (stderr) piped."""
+    command = [sys.executable, "-m", "aiopar", "worker", "--scheduler", scheduler]
+    return subprocess.Popen(
+        [*command, "--name", name, "--nthreads", "1", *more], stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_world_size_counts_a_rank_that_joined_and_left(scheduler, leaves_nothing_behind):
+    # torch's rendezvous counts joins: rank 1 has come and gone before rank 0 looks
+    script = """
+        import sys
+        from aiopar import rpc
+
+        options = rpc.RpcBackendOptions(init_method=sys.argv[1])
+        rpc.init_rpc("worker1", rank=1, rpc_backend_options=options)
+        rpc.shutdown(graceful=False)
+    """
+    done = run_python(script, scheduler, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rpc.init_rpc(
+        "worker0", rank=0, world_size=2, rpc_backend_options=options(init_method=scheduler)
+    )
+    rpc.shutdown(graceful=False)
+
+
+def test_world_size_counts_only_ranks_below_it(scheduler, leaves_nothing_behind):
+    server = aiopar_worker(scheduler, "server", "--rank", "7")
+    try:
+        assert "serves at" in server.stderr.readline()
+        with pytest.raises(TimeoutError, match=r"ranks 0 to 1 to join, and rank 1 did not"):
+            rpc.init_rpc(
+                "worker0",
+                rank=0,
+                world_size=2,
+                rpc_backend_options=options(init_method=scheduler, rpc_timeout=2),
+            )
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=30)
+
+
+def test_the_docs_ranked_peers_and_an_unranked_aiopar_worker_run_together(
+    scheduler, leaves_nothing_behind
+):
+    # docs/distributed.md: three processes with ranks 0, 1 and 2, and a serving peer
+    server = aiopar_worker(scheduler, "gpu-box")
+    script = """
+        import sys
+        from aiopar import rpc
+
+        rank, address = int(sys.argv[1]), sys.argv[2]
+        options = rpc.RpcBackendOptions(init_method=address)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+        print(rpc.get_worker_info("gpu-box").id, rpc.rpc_sync("gpu-box", abs, args=(-rank,)))
+        rpc.shutdown()
+    """
+    try:
+        started = server.stderr.readline()
+        assert "rpc peer 'gpu-box' (id -1, no rank) serves at tcp://127.0.0.1:" in started
+        assert f"for the scheduler at {scheduler}" in started
+        ranks = [start_python(script, str(rank), scheduler) for rank in (0, 1, 2)]
+        outputs = [proc.communicate(timeout=90) for proc in ranks]
+        assert [proc.returncode for proc in ranks] == [0, 0, 0], [err for _, err in outputs]
+        assert [out.split() for out, _ in outputs] == [["-1", "0"], ["-1", "1"], ["-1", "2"]]
+        server.send_signal(signal.SIGINT)
+        _, said = server.communicate(timeout=30)
+        assert server.returncode == 0, said
+        assert "aiopar worker: rpc peer 'gpu-box' stopped: SIGINT" in said
+    finally:
+        server.kill()
+        server.communicate()
+
+
+def test_aiopar_worker_says_why_it_stopped_when_the_scheduler_goes(leaves_nothing_behind):
+    with loopback_cluster(n_workers=0) as cluster:
+        address = cluster.scheduler_address
+        server = aiopar_worker(address, "server")
+        try:
+            assert "serves at" in server.stderr.readline()
+        except BaseException:
+            server.kill()
+            raise
+    try:
+        _, said = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert f"rpc peer 'server' stopped: the scheduler at {address} went away" in said, said
+
+
 def test_a_taken_name_is_refused(scheduler, leaves_nothing_behind):
     rpc.init_rpc("main", rpc_backend_options=options(init_method=scheduler))
     try:
@@ -205,7 +302,7 @@ def assert_left_as_it_was(left: Leftovers, scheduler: str) -> None:
 
 def test_init_rpc_that_waits_in_vain_for_peers_leaves_no_peer(scheduler, leaves_nothing_behind):
     left = Leftovers()
-    with pytest.raises(TimeoutError, match="for 2 peers"):
+    with pytest.raises(TimeoutError, match="for ranks 0 to 1 to join, and rank 1 did not"):
         rpc.init_rpc(
             "a", world_size=2, rpc_backend_options=options(init_method=scheduler, rpc_timeout=0.5)
         )
@@ -213,11 +310,7 @@ def test_init_rpc_that_waits_in_vain_for_peers_leaves_no_peer(scheduler, leaves_
 
 
 def test_init_rpc_with_a_taken_rank_leaves_no_peer(scheduler, leaves_nothing_behind):
-    holder = subprocess.Popen(
-        [sys.executable, "-m", "aiopar", "worker", "--scheduler", scheduler, "--name", "holder"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    holder = aiopar_worker(scheduler, "holder", "--rank", "0")
     try:
         assert wait_until(lambda: "holder" in peer_names(scheduler), timeout=60, interval=0.2)
         left = Leftovers()
