@@ -73,7 +73,8 @@ def init_rpc(
     the smallest free one; when ``world_size`` is given, ``init_rpc``
     returns once ranks 0 to ``world_size - 1`` have each joined (as every
     process of a torch job calls it; a rank that joined and left already
-    counts, peers without a rank or with a higher one do not). ``rank=-1`` is torch's "not set", the same as None.
+    counts, peers without a rank or with a higher one do not). ``rank=-1``
+    is torch's "not set", the same as None.
     ``backend`` names the engine when several are installed, as a
     :class:`BackendType` or an engine's name (by default ``"dask"``, or the
     only one). The positional order is torch's.
