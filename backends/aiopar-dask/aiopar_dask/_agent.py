@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -22,7 +23,7 @@ from distributed import SpecCluster
 from distributed.worker import _worker_cvar as _worker_context
 
 import aiopar
-from aiopar.backends import set_waiter
+from aiopar.backends import set_callback_runner, set_waiter
 from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
 
 from . import _errors, _wire
@@ -47,6 +48,8 @@ timeout (``@async_execution`` functions hold no thread while they wait).
 As :data:`aiopar.backends.thread.COMPENSATION_LIMIT` does for a thread pool.
 """
 
+_logger = logging.getLogger("aiopar.rpc")
+
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
 _POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
 
@@ -64,6 +67,9 @@ class DaskRpcAgent(RpcAgent):
         self._settler = Settler("rpc")
         self._timeouts = Timeouts(self._settler.call)
         self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
+        # The one thread that reads this peer's connections: a callback of a
+        # call it settles may block, even on a reply it is to read.
+        self._hub = _wire.Hub(thread_init=lambda: set_callback_runner(self._settler.call))
         self._listener: _wire.Listener | None = None
         self._stopped: BaseException | None = None
         self._scheduler_gone: str | None = None  # why the peers cannot be looked up
@@ -191,7 +197,9 @@ class DaskRpcAgent(RpcAgent):
         context = self._worker.connection_args.get("ssl_context")
         secret = self._worker.rpc_secret
         assert secret is not None  # set before the peer listens, and so before any call
-        connection = _wire.connect(host, port, _CONNECT_TIMEOUT, context, secret)
+        connection = _wire.connect(
+            host, port, _CONNECT_TIMEOUT, context, secret, self.worker_info.name
+        )
         with self._lock:
             if self._stopped is not None:
                 connection.close()
@@ -216,7 +224,7 @@ class DaskRpcAgent(RpcAgent):
 
     def _listen(self, host: str, secret: bytes) -> None:
         context = self._worker.security.get_listen_args("worker").get("ssl_context")
-        self._listener = _wire.Listener(host, context, secret, self._on_call)
+        self._listener = _wire.Listener(self._hub, host, context, secret, self._on_call)
 
     def _on_call(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
         try:
@@ -230,18 +238,21 @@ class DaskRpcAgent(RpcAgent):
         # As in a dask task, distributed.get_worker() and get_client() work
         # here (dask's actors set the same context variable).
         token = _worker_context.set(self._worker)
+        what = "a call that cannot be unpickled"
         try:
             fn, args, kwargs = _wire.loads(frames)
             del frames
+            what = _name(fn)
             result = run_callee(fn, args, kwargs)
         except BaseException as exc:
+            _raised(what, connection, exc)
             _reply_error(connection, call_id, exc)
             return
         finally:
             _worker_context.reset(token)
             set_waiter(previous)
         if isinstance(result, aiopar.Future):
-            result.add_done_callback(lambda done: _reply_future(connection, call_id, done))
+            result.add_done_callback(lambda done: _reply_future(what, connection, call_id, done))
         else:
             _reply_value(connection, call_id, result)
 
@@ -255,7 +266,7 @@ class DaskRpcAgent(RpcAgent):
             self._stopped = reason
             links = list(self._links.values())
         if self._listener is not None:
-            self._listener.close(timeout=None)
+            self._listener.close()
         for link in links:
             link.fail_all(reason)
         self._timeouts.close()
@@ -268,8 +279,7 @@ class DaskRpcAgent(RpcAgent):
         thread = self._timeouts.close()
         if thread is not None:
             thread.join(5)
-        for link in list(self._links.values()):
-            link.reader.join(5)
+        self._hub.close()
         self._settler.close()
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
@@ -352,13 +362,28 @@ def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException)
         connection.send(_wire.ERROR, call_id, *_wire.dumps(_errors.pack(exc)), wait=False)
 
 
-def _reply_future(connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]) -> None:
+def _reply_future(
+    what: str, connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]
+) -> None:
     try:
         value = done.value()
     except BaseException as exc:
+        _raised(what, connection, exc)
         _reply_error(connection, call_id, exc)
     else:
         _reply_value(connection, call_id, value)
+
+
+def _raised(what: str, connection: _wire.Connection, exc: BaseException) -> None:
+    """A call failed here: the caller gets the exception; the callee's log
+    has it at debug level, naming the caller (as torch's callee logs it)."""
+    _logger.debug(
+        "%s, called by rpc peer %r, raised %s",
+        what,
+        connection.peer_name,
+        type(exc).__name__,
+        exc_info=exc,
+    )
 
 
 def _name(fn: Callable[..., Any]) -> str:

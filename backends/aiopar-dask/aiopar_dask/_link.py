@@ -1,8 +1,9 @@
 """The caller's side of the rpc wire: one :class:`Link` per callee.
 
 A caller keeps one connection to each callee it calls (see ``_wire`` for why
-not a dask comm), writes its calls on it from its own thread, and one thread
-per link reads the replies and settles the calls' futures. :class:`Timeouts`
+not a dask comm) and writes its calls on it from its own thread; the
+process's hub reads the replies and settles the calls' futures (their
+callbacks run elsewhere: see ``set_callback_runner``). :class:`Timeouts`
 fails the calls that have no reply by their deadline.
 """
 
@@ -32,20 +33,19 @@ _TICK = 0.05  # timeouts are checked this often
 class Link:
     """This peer's connection to one callee, and the calls waiting for its replies."""
 
-    def __init__(self, agent: DaskRpcAgent, name: str, address: str, connection: Any) -> None:
+    def __init__(
+        self, agent: DaskRpcAgent, name: str, address: str, connection: _wire.Connection
+    ) -> None:
         self.agent = agent
         self.name = name
         self.address = address
-        self.connection: _wire.Connection = connection
+        self.connection = connection
         self.ids = itertools.count()
         self.lock = threading.Lock()
         # call id -> (future, what was called, its timeout's tick or None)
         self.pending: dict[int, tuple[aiopar.Future[Any], str, int | None]] = {}
         self.broken: BaseException | None = None
-        self.reader = threading.Thread(
-            target=self._read, name=f"aiopar-rpc-link-{name}", daemon=True
-        )
-        self.reader.start()
+        connection.serve(agent._hub, _wire.messages(connection, self._on_reply), self.fail_all)
 
     def call(self, future: aiopar.Future[Any], what: str, frames: Any, timeout: float) -> None:
         with self.lock:
@@ -75,20 +75,11 @@ class Link:
             self.agent._timeouts.discard(tick, self, call_id)
         return future, what
 
-    def _read(self) -> None:
-        """The reader thread: it lives as long as the connection; whatever a
-        reply holds settles that reply's call only."""
-        # A callback may block, even on a reply this thread is to read.
-        set_callback_runner(self.agent._settler.call)
-        while True:
-            try:
-                kind, call_id, frames = self.connection.receive()
-            except BaseException as exc:  # closed, or not a message: the link is broken
-                self.fail_all(exc)
-                return
-            entry = self.pop(call_id)
-            if entry is not None:  # else it timed out already
-                settle_reply(entry[0], kind, frames, entry[1], self.name)
+    def _on_reply(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
+        """In the hub's thread: whatever a reply holds settles that reply's call only."""
+        entry = self.pop(call_id)
+        if entry is not None:  # else it timed out already
+            settle_reply(entry[0], kind, frames, entry[1], self.name)
 
     def fail_all(self, exc: BaseException) -> None:
         """The connection broke: every pending call fails, naming the peer."""

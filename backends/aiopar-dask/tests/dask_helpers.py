@@ -7,6 +7,8 @@ processes import them from here.
 
 from __future__ import annotations
 
+import queue
+import socket
 import subprocess
 import sys
 import textwrap
@@ -139,3 +141,44 @@ def after_timer(seconds: float, value):
     fut: aiopar.Future = aiopar.Future()
     threading.Timer(seconds, fut.set_result, args=(value,)).start()
     return fut
+
+
+def log_debug_to(path: str) -> None:
+    """Write this process's aiopar.rpc log, from debug level up, to ``path``."""
+    import logging
+
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger("aiopar.rpc")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+
+# -- the rpc wire, on sockets of this process -----------------------------------------------
+
+
+class Served:
+    """A socket served as a peer's connection: sends through it, and the
+    messages that arrive (each one's kind, call id and unpickled payload)
+    in ``received``. A closed or broken connection puts why there."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        from aiopar_dask import _wire
+
+        self.hub = _wire.Hub(name="aiopar-rpc-io-test")
+        self.received: queue.Queue[object] = queue.Queue()
+        self.connection = _wire.Connection(sock, None)
+
+        def on_message(connection: object, kind: int, call_id: int, frames: object) -> None:
+            self.received.put((kind, call_id, _wire.loads(frames)))
+
+        self.connection.serve(
+            self.hub, _wire.messages(self.connection, on_message), self.received.put
+        )
+
+    def take(self, count: int, timeout: float = 30) -> list[object]:
+        return [self.received.get(timeout=timeout) for _ in range(count)]
+
+    def close(self) -> None:
+        self.connection.close()
+        self.hub.close()

@@ -12,7 +12,14 @@ import distributed
 import numpy as np
 import pytest
 from aiopar_dask import DaskBackend
-from dask_helpers import after_timer, descendant_pids, fail_deep, listening_addresses, wait_until
+from dask_helpers import (
+    after_timer,
+    descendant_pids,
+    fail_deep,
+    listening_addresses,
+    log_debug_to,
+    wait_until,
+)
 
 import aiopar
 from aiopar import rpc
@@ -48,6 +55,11 @@ def async_add_chained(to, x, y, z):
 def async_add(to, x, y):
     # torch's TorchScript example, without TorchScript
     return rpc.rpc_async(to, np.add, (x, y))
+
+
+@rpc.functions.async_execution
+def fail_later():
+    return aiopar.fork(fail_deep)
 
 
 class AsyncExecutionClass:
@@ -208,6 +220,22 @@ def test_callee_exception_keeps_type_and_remote_traceback(peers):
     text = "".join(traceback.format_exception(info.value))
     assert "inner_helper" in text
     assert "rpc peer 'worker2'" in text
+
+
+def test_the_callee_logs_a_failed_call_at_debug_level_naming_the_caller(peers, tmp_path):
+    log = tmp_path / "worker2.log"
+    rpc.rpc_sync("worker2", log_debug_to, args=(str(log),))
+    with pytest.raises(ValueError, match="on purpose"):
+        rpc.rpc_sync("worker2", fail_deep)
+    with pytest.raises(ValueError, match="on purpose"):  # an async_execution call's future
+        rpc.rpc_sync("worker2", fail_later)
+    lines = log.read_text().splitlines()
+    said = [line for line in lines if line.startswith("DEBUG") and "called by" in line]
+    assert said == [
+        "DEBUG fail_deep(), called by rpc peer 'worker0', raised ValueError",
+        "DEBUG fail_later(), called by rpc peer 'worker0', raised ValueError",
+    ], lines
+    assert any("inner_helper" in line for line in lines)  # with their tracebacks
 
 
 def test_a_call_times_out(peers):

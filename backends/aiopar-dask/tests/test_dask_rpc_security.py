@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import queue
 import socket
 import struct
 import subprocess
@@ -184,39 +185,48 @@ def test_with_tls_a_stranger_can_do_nothing(cluster, tmp_path):
 # -- the handshake itself, in this process ----------------------------------------------
 
 
-def listener(secret: bytes) -> tuple[_wire.Listener, list[object]]:
-    """A Listener that answers each call with its payload."""
+def listener(secret: bytes) -> tuple[_wire.Listener, _wire.Hub, list[object]]:
+    """A Listener that answers each call with its payload, and its hub."""
     calls: list[object] = []
 
     def echo(connection: _wire.Connection, kind: int, call_id: int, frames: object) -> None:
         calls.append(_wire.loads(frames))
         connection.send(_wire.VALUE, call_id, *_wire.dumps(calls[-1]), wait=False)
 
-    return _wire.Listener("127.0.0.1", None, secret, echo), calls
+    hub = _wire.Hub(name="aiopar-rpc-io-test")
+    return _wire.Listener(hub, "127.0.0.1", None, secret, echo), hub, calls
 
 
 def test_peers_with_the_secret_talk():
     secret = _wire.new_secret()
-    server, _ = listener(secret)
+    server, hub, _ = listener(secret)
     try:
-        connection = _wire.connect("127.0.0.1", server.port, 5, None, secret)
+        connection = _wire.connect("127.0.0.1", server.port, 5, None, secret, "a-caller")
         try:
+            replies: queue.Queue[object] = queue.Queue()
+            connection.serve(
+                hub,
+                _wire.messages(connection, lambda c, *message: replies.put(message)),
+                replies.put,
+            )
             connection.send(_wire.CALL, 7, *_wire.dumps("hello"))
-            kind, call_id, frames = connection.receive()
+            kind, call_id, frames = replies.get(timeout=10)
             assert (kind, call_id, _wire.loads(frames)) == (_wire.VALUE, 7, "hello")
         finally:
             connection.close()
     finally:
         server.close()
+        hub.close()
 
 
 def test_a_caller_without_the_secret_is_refused():
-    server, calls = listener(_wire.new_secret())
+    server, hub, calls = listener(_wire.new_secret())
     try:
         with pytest.raises(PermissionError, match="not a peer of this cluster"):
             _wire.connect("127.0.0.1", server.port, 5, None, _wire.new_secret())
     finally:
         server.close()
+        hub.close()
     assert calls == []
 
 

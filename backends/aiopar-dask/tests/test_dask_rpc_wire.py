@@ -5,12 +5,13 @@ timeout, so a call that never settles fails the test instead of stalling it.
 
 from __future__ import annotations
 
+import queue
 import socket
 import time
 
 import pytest
 from aiopar_dask import _wire
-from dask_helpers import run_python
+from dask_helpers import Served, loopback_cluster, run_python, start_python
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -124,45 +125,64 @@ MB = 1 << 20
 
 
 def read_messages(sock: socket.socket, count: int) -> list[object]:
-    """Read ``count`` messages from ``sock`` as a peer's reader would."""
-    reader = _wire.Connection(sock)
-    return [_wire.loads(reader.receive()[2]) for _ in range(count)]
+    """Read ``count`` messages from ``sock`` as a peer does; return their payloads."""
+    reader = Served(sock)
+    try:
+        return [payload for _, _, payload in reader.take(count)]
+    finally:
+        reader.close()
 
 
 def test_a_send_never_waits_for_the_reader_and_an_abandoned_message_is_not_sent():
     mine, theirs = socket.socketpair()
-    connection = _wire.Connection(mine)
+    sender = Served(mine)
     try:
         big = bytes(32 * MB)  # more than the socket pair buffers: the rest is queued
-        connection.send(_wire.VALUE, 1, *_wire.dumps(big), wait=False)
-        connection.send(_wire.VALUE, 2, *_wire.dumps("dropped"), abandoned=lambda: True)
-        connection.send(_wire.VALUE, 3, *_wire.dumps("sent"), abandoned=lambda: False)
+        sender.connection.send(_wire.VALUE, 1, *_wire.dumps(big), wait=False)
+        sender.connection.send(_wire.VALUE, 2, *_wire.dumps("dropped"), abandoned=lambda: True)
+        sender.connection.send(_wire.VALUE, 3, *_wire.dumps("sent"), abandoned=lambda: False)
         # every send returned while nothing was read; now the other side reads
         assert [len(m) if isinstance(m, bytes) else m for m in read_messages(theirs, 2)] == [
             32 * MB,
             "sent",
         ]
     finally:
-        connection.close()
-        theirs.close()
+        sender.close()
 
 
 def test_a_sender_waits_for_room_only_until_its_deadline():
     mine, theirs = socket.socketpair()
-    connection = _wire.Connection(mine)
+    sender = Served(mine)
     try:
         for call_id in range(3):  # fills the queue (its limit is 64 MB)
-            connection.send(_wire.VALUE, call_id, *_wire.dumps(bytes(32 * MB)), wait=False)
-        connection.send(_wire.CALL, 9, *_wire.dumps("late"), deadline=time.monotonic() + 0.2)
+            sender.connection.send(_wire.VALUE, call_id, *_wire.dumps(bytes(32 * MB)), wait=False)
+        sender.connection.send(_wire.CALL, 9, *_wire.dumps("late"), deadline=time.monotonic() + 0.2)
         # it returned without queuing: its caller's timeout fails the call
-        messages = read_messages(theirs, 3)
-        assert [len(m) for m in messages] == [32 * MB] * 3
-        theirs.settimeout(1)
-        with pytest.raises(TimeoutError):
-            theirs.recv(1)  # nothing more came
+        reader = Served(theirs)
+        try:
+            assert [len(m[2]) for m in reader.take(3)] == [32 * MB] * 3
+            with pytest.raises(queue.Empty):
+                reader.received.get(timeout=1)  # nothing more came
+        finally:
+            reader.close()
     finally:
-        connection.close()
-        theirs.close()
+        sender.close()
+
+
+def test_odd_frames_cross_in_one_read_and_in_pieces():
+    # Small messages share the hub's reads; a large frame is read into its own buffer.
+    mine, theirs = socket.socketpair()
+    sender, reader = Served(mine), Served(theirs)
+    try:
+        payloads = ["", b"", bytes(70_000), "x" * 10, bytes(3 * MB), None]
+        for call_id, payload in enumerate(payloads):
+            sender.connection.send(_wire.VALUE, call_id, *_wire.dumps(payload))
+        assert reader.take(len(payloads)) == [(_wire.VALUE, i, p) for i, p in enumerate(payloads)]
+        sender.close()
+        assert isinstance(reader.received.get(timeout=10), EOFError)  # its end closed
+    finally:
+        sender.close()
+        reader.close()
 
 
 def test_ten_thousand_calls_in_flight_need_no_thread_each():
@@ -185,5 +205,42 @@ def test_ten_thousand_calls_in_flight_need_no_thread_each():
     done = run_python(script, timeout=120)
     assert done.returncode == 0, done.stderr
     caller, callee = (int(n) for n in done.stdout.split())
-    assert caller <= 4, done.stdout  # a writer thread for the queued sends, and such
-    assert callee <= 20, done.stdout  # at most its pool (16 threads) and a writer
+    assert caller <= 2, done.stdout  # the timeouts' thread, and such
+    assert callee <= 16, done.stdout  # at most its pool (16 threads)
+
+
+PEERS = 32
+
+
+def test_32_peers_all_talking_to_all_keep_their_threads_bounded():
+    # One thread (the hub) reads all of a process's connections: a peer that
+    # talks to 31 others has the threads of a peer that talks to none, but
+    # for its pool of calls (2 threads here) and the calls' timeouts (1).
+    script = """
+        import sys, threading
+        from aiopar import rpc
+
+        rank, address, size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+        options = rpc.RpcBackendOptions(init_method=address, num_worker_threads=2)
+        rpc.init_rpc(f"peer{rank}", rank=rank, world_size=size, rpc_backend_options=options)
+        alone = threading.active_count()
+        others = [f"peer{r}" for r in range(size) if r != rank]
+        calls = [rpc.rpc_async(name, threading.active_count) for name in others]
+        theirs = max(call.wait(timeout=60) for call in calls)
+        print(alone, threading.active_count(), theirs, flush=True)
+        rpc.shutdown()  # waits until every peer has called it: all connections stay up
+    """
+    with loopback_cluster(n_workers=0) as cluster:
+        address = cluster.scheduler_address
+        procs = [start_python(script, str(rank), address, str(PEERS)) for rank in range(PEERS)]
+        try:
+            outputs = [proc.communicate(timeout=240) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0] * PEERS, [e for _, e in outputs][:3]
+    counts = [[int(n) for n in out.split()] for out, _ in outputs]
+    alone = max(c[0] for c in counts)
+    connected = max(max(c[1], c[2]) for c in counts)
+    assert connected - alone <= 3, counts
