@@ -198,11 +198,15 @@ class DaskBackend(Backend):
         except BaseException as exc:
             outcome: tuple[Any, BaseException | None] = (None, _translate(exc, dask_future.key))
         else:
-            if record is not None:
-                value, t0, t1, pid, tid, worker = value
-                offset = time.time_ns() - time.perf_counter_ns()
-                record.on_remote_run(t0 - offset, t1 - offset, pid, tid, f"dask worker {worker}")
-            outcome = (value, None)
+            if type(value) is RemoteFailure:  # the task's own exception (see run_task)
+                outcome = (None, unpack(value.packed))
+            else:
+                if record is not None:
+                    value, t0, t1, pid, tid, worker = value
+                    offset = time.time_ns() - time.perf_counter_ns()
+                    where = f"dask worker {worker}"
+                    record.on_remote_run(t0 - offset, t1 - offset, pid, tid, where)
+                outcome = (value, None)
         with self._lock:
             self._inflight.pop(dask_future.key, None)
         self._settler.call(_settle, future, outcome)
@@ -256,8 +260,6 @@ def _settle(future: aiopar.Future[Any], outcome: tuple[Any, BaseException | None
 
 def _translate(exc: BaseException, key: str) -> BaseException:
     """dask's exception for a task, as aiopar raises it."""
-    if isinstance(exc, RemoteFailure):  # the task's own exception (see run_task)
-        return unpack(exc.packed)
     if isinstance(exc, KilledWorker):
         error = aiopar.BrokenWorkerError(
             f"the dask workers that ran task {key!r} died each time (dask gave up: {exc})"

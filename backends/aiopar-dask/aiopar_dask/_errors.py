@@ -70,7 +70,8 @@ def unpack(packed: Packed) -> BaseException:
 
 class RemoteFailure(Exception):
     """Carries a :data:`Packed` exception through code that would handle the
-    original badly (dask's task errors): a shallow exception of plain data."""
+    original badly: a dask task returns it as its value (so dask neither
+    logs nor transports the original), a shallow object of plain data."""
 
     def __init__(self, packed: Packed) -> None:
         super().__init__(packed)

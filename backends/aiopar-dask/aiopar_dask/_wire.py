@@ -306,6 +306,7 @@ class Connection:
 
     def on_readable(self) -> None:
         """The hub: read what the socket has, and feed it to the protocol."""
+        drained = False  # a read came back short: the socket has no more for now
         try:
             while self._protocol is not None:
                 if self._large is not None:
@@ -327,10 +328,15 @@ class Connection:
                     self._got = held
                     self._start = self._end = 0
                     continue
+                if drained and self._tls is None:  # (TLS may hold decrypted bytes still)
+                    return  # the hub calls again when more comes
                 if self._start:
                     self._staging[:held] = self._staging[self._start : self._end]
                     self._start, self._end = 0, held
-                self._end += self._receive_into(memoryview(self._staging)[self._end :])
+                room = memoryview(self._staging)[self._end :]
+                got = self._receive_into(room)
+                self._end += got
+                drained = got < len(room)
         except (BlockingIOError, ssl.SSLWantReadError):
             return
         except BaseException as exc:  # closed, refused, or not a message: the end of it

@@ -17,7 +17,9 @@ gets its median:
   (cloudpickle, about 30 us a call here), as it does with dask;
 - rpc_async, 2,000 in flight: 2,000 no-op calls, then wait for all;
 - rpc_sync, 100 MB argument, against dask's own transfer of the same array
-  (the fork row's raw dask time).
+  (the fork row's raw dask time);
+- rpc_sync of a no-op with TLS (``distributed.Security.temporary()``, when
+  the cryptography package is installed), against torch's plain rpc_sync.
 
 The dask cluster has one worker process with one thread; the rpc peers are
 this process and one worker process. Everything listens on 127.0.0.1.
@@ -125,11 +127,19 @@ def rpc_rows(rounds: int, array: np.ndarray) -> list[tuple[str, str, float]]:
         rounds,
     )
     rpc.shutdown()
-    return [
+    rows = [
         ("rpc_sync, no-op", "aiopar", times["sync"] / seq),
         (f"rpc_async, {IN_FLIGHT:,} in flight", "aiopar", times["async"] / IN_FLIGHT),
         ("rpc_sync, 100 MB argument", "aiopar", times["array"]),
     ]
+    try:
+        tls = distributed.Security.temporary()  # needs the cryptography package
+    except ImportError:
+        return rows
+    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=rpc.RpcBackendOptions(security=tls))
+    tls_times = median_times({"sync": sync}, rounds)
+    rpc.shutdown()
+    return [*rows, ("rpc_sync, no-op, TLS", "aiopar", tls_times["sync"] / seq)]
 
 
 _TORCH_PEER = """
@@ -208,6 +218,7 @@ def main() -> None:
         "rpc_sync, no-op": ("torch", "rpc_sync, no-op"),
         f"rpc_async, {IN_FLIGHT:,} in flight": ("torch", f"rpc_async, {IN_FLIGHT:,} in flight"),
         "rpc_sync, 100 MB argument": ("dask", "fork, 100 MB argument"),
+        "rpc_sync, no-op, TLS": ("torch", "rpc_sync, no-op"),
     }
     print(f"distributed {distributed.__version__}, {os.cpu_count()} cores, {rounds} rounds")
     print(f"{'row':34} {'contender':10} {'per call':>12} {'aiopar / anchor':>16}")

@@ -141,6 +141,27 @@ def test_a_failure_deep_in_the_stack_settles_its_fork():
     assert done.stdout.strip() == "at the bottom", done.stderr
 
 
+def test_a_failure_the_caller_handles_leaves_no_dask_error_lines():
+    script = """
+        import aiopar
+
+        def bad(key):
+            raise KeyError(key)
+
+        if __name__ == "__main__":
+            with aiopar.use_backend("dask", n_workers=1, threads_per_worker=1):
+                try:
+                    aiopar.fork(bad, "handled").wait(timeout=60)
+                except KeyError as exc:
+                    print("caught", exc)
+    """
+    done = run_python(script, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "caught 'handled'\n"
+    assert "Compute Failed" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_arguments_and_results_cross_processes(procs):
     a = np.arange(1_000_000, dtype=np.float64)
     assert procs.fork(array_sum, a).wait() == a.sum()
