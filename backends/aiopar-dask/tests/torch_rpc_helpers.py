@@ -108,9 +108,7 @@ def lifecycle_init_rpc_twice(rank: int, address: str, world_size: int, directory
     # one returns before the other rank is back: meet first (torch's waits)
     barrier(Path(directory, "up"), rank, world_size)
     dst = worker_name((rank + 1) % world_size)
-    assert np.array_equal(
-        rpc.rpc_sync(dst, np.add, args=(np.ones((2, 2)), 1)), np.ones((2, 2)) + 1
-    )
+    assert np.array_equal(rpc.rpc_sync(dst, np.add, args=(np.ones((2, 2)), 1)), np.ones((2, 2)) + 1)
     assert np.array_equal(rpc.rpc_sync(dst, foo_add, args=()), np.full(1, 2.0))
     rpc.shutdown()
 
@@ -140,9 +138,7 @@ def lifecycle_local_shutdown_with_rpc(
 ) -> None:
     join(rank, address, world_size)
     n = rank + 1
-    ret = rpc.rpc_sync(
-        worker_name(n % world_size), np.add, args=(np.ones((n, n)), np.ones((n, n)))
-    )
+    ret = rpc.rpc_sync(worker_name(n % world_size), np.add, args=(np.ones((n, n)), np.ones((n, n))))
     assert np.array_equal(ret, np.ones((n, n)) * 2)
     barrier(directory, rank, world_size)  # every call has its reply
     rpc.shutdown(graceful=False)
@@ -151,9 +147,7 @@ def lifecycle_local_shutdown_with_rpc(
 def lifecycle_use_rref_after_shutdown(rank: int, address: str, world_size: int) -> None:
     join(rank, address, world_size)
     n = rank + 1
-    rref = rpc.remote(
-        worker_name(n % world_size), np.add, args=(np.ones((n, n)), np.ones((n, n)))
-    )
+    rref = rpc.remote(worker_name(n % world_size), np.add, args=(np.ones((n, n)), np.ones((n, n))))
     rpc.shutdown(graceful=True)
     try:
         rref.to_here()
@@ -166,9 +160,7 @@ def lifecycle_use_rref_after_shutdown(rank: int, address: str, world_size: int) 
 def lifecycle_duplicate_name(rank: int, address: str) -> None:
     """Join under the name rank 0 has: init_rpc must refuse it."""
     try:
-        rpc.init_rpc(
-            "worker0", rank=rank, world_size=2, rpc_backend_options=options(address)
-        )
+        rpc.init_rpc("worker0", rank=rank, world_size=2, rpc_backend_options=options(address))
     except ValueError as exc:
         print(f"ValueError: {exc}", flush=True)
     else:
@@ -482,9 +474,7 @@ class AsyncExecutionClass:
     @rpc.functions.async_execution
     def class_async_add(cls, to, x, y, z):
         ret_fut = aiopar.Future()
-        rpc.rpc_async(to, np.add, args=(x, y)).then(
-            lambda fut: ret_fut.set_result(fut.wait() + z)
-        )
+        rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: ret_fut.set_result(fut.wait() + z))
         return ret_fut
 
     @rpc.functions.async_execution
