@@ -13,7 +13,6 @@ import gc
 import pickle
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import pytest
@@ -440,63 +439,68 @@ def test_a_collected_rref_drops_its_value_on_the_owner(fake):
     assert rref_id not in _rref._owned
 
 
-def test_two_calls_sending_the_same_collected_rref_at_once(fake, monkeypatch):
-    from aiopar.rpc import _api, _rref
-
-    class Pausing(deque):
-        """Its first two poplefts wait for each other: both callers have seen
-        the one collected RRef queued before either takes it."""
-
-        both_here = threading.Barrier(2, timeout=5)
-        pauses = iter(range(2))
-
-        def popleft(self):
-            if next(self.pauses, None) is not None:
-                self.both_here.wait()
-            return super().popleft()
-
-    rref = rpc.remote("other", Counter, args=(1,))
-    assert rref.to_here().n == 1
-    rref_id = rref._id
-    gc.collect()  # RRefs of earlier tests in reference cycles go to the real queue
-    collected = Pausing()
-    monkeypatch.setattr(_rref, "_collected", collected)
-    monkeypatch.setattr(_api, "_collected", collected)
-    del rref  # queued in the Pausing deque
-    assert list(collected) == [(WorkerInfo("other", 1), rref_id)]
-    results, errors = [], []
-
-    def call():
-        try:
-            results.append(rpc.rpc_sync("other", add, args=(1, 2)))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert errors == []
-    assert results == [3, 3]
-    assert rref_id not in [queued for _, queued in collected]
-    deadline = time.monotonic() + 5
-    while rref_id in _rref._owned and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert rref_id not in _rref._owned
-
-
-def test_a_delete_that_runs_before_its_create_leaves_no_value(fake):
-    # Calls run concurrently on the owner: a creator's _delete may run first.
+def test_changes_reach_an_owner_in_order_one_call_at_a_time(fake, monkeypatch):
+    # Calls run concurrently on an owner: a peer sends it the next changes
+    # only once the last have been applied, so "gone" never overtakes the
+    # announcement of a fork its sender made before.
     from aiopar.rpc import _rref
 
-    _rref._delete(["early-1"])
-    _rref._create("early-1", add, (1, 2), {})
-    _rref._create("later-2", add, (1, 2), {})
-    _rref._delete(["later-2"])
+    applied: list[list[tuple[bool, str, str]]] = []
+    first_arrived, release = threading.Event(), threading.Event()
+    at_once = []
+    running = 0
+
+    def recorder(changes):
+        nonlocal running
+        running += 1
+        at_once.append(running)
+        if not applied:
+            first_arrived.set()
+            release.wait(5)
+        applied.append(changes)
+        running -= 1
+
+    recorder.__module__, recorder.__qualname__ = _rref._apply.__module__, "_apply"
+    monkeypatch.setattr(_rref, "_apply", recorder)
+    other = WorkerInfo("other", 1)
+    agent = fake.agents[0]
+    _rref._changes.append((other, (True, "v", "f1")))
+    _rref.send_changes(agent)
+    assert first_arrived.wait(5)
+    later = [(True, "v", f"f{i}") for i in range(2, 6)] + [(False, "v", "f1")]
+    for change in later:
+        _rref._changes.append((other, change))
+    senders = [threading.Thread(target=_rref.send_changes, args=(agent,)) for _ in range(4)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(5)
+    assert applied == []  # the first call is still on its way: the rest wait
+    release.set()
+    deadline = time.monotonic() + 5
+    while sum(map(len, applied)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [change for changes in applied for change in changes] == [
+        (True, "v", "f1"),
+        *later,
+    ]
+    assert max(at_once) == 1
+
+
+def test_a_fork_gone_before_it_is_announced_or_created_leaves_nothing(fake):
+    # Calls run concurrently on the owner: a fork's "gone" may come first.
+    from aiopar.rpc import _rref
+
+    _rref._apply([(False, "early-1", "fork-a")])
+    _rref._create("early-1", "fork-a", add, (1, 2), {})
+    _rref._create("later-2", "fork-b", add, (1, 2), {})
+    _rref._apply([(False, "later-3", "fork-c"), (True, "later-2", "fork-d")])
+    _rref._apply([(False, "later-2", "fork-b"), (True, "later-3", "fork-c")])
+    assert list(_rref._owned) == ["later-2"]  # fork-d lives on
+    _rref._apply([(False, "later-2", "fork-d")])
     assert _rref._owned == {}
-    assert _rref._made == set()
-    assert _rref._deleted_early == set()
+    assert _rref._forks == {}
+    assert _rref._gone_early == set()
 
 
 def test_an_rref_whose_creation_failed_says_so_at_once(fake):
@@ -521,15 +525,41 @@ def test_a_value_lost_by_its_owner_is_looked_up_in_vain(fake):
         rref.to_here(timeout=None)
 
 
-def test_a_shared_rref_keeps_its_value(fake):
+kept_rrefs: list[rpc.RRef[Any]] = []
+
+
+def keep_rref(rref: rpc.RRef[Any]) -> None:
+    kept_rrefs.append(rref)
+
+
+def test_a_shared_rref_lives_until_its_last_copy_is_gone(fake):
     from aiopar.rpc import _rref
 
     rref = rpc.remote("other", Counter, args=(3,))
-    assert rpc.rpc_sync("other", read_rref, args=(rref,)) == 3  # a copy went to "other"
+    assert rpc.rpc_sync("other", read_rref, args=(rref,)) == 3  # a copy went and went again
+    rpc.rpc_sync("other", keep_rref, args=(rref,))  # a copy kept
     rref_id = rref._id
     del rref
-    rpc.rpc_sync("other", add, args=(1, 1))
+    gc.collect()
+    rpc.rpc_sync("other", add, args=(1, 1))  # the next call tells the owner
+    time.sleep(0.1)
     assert rref_id in _rref._owned
+    kept_rrefs.clear()
+    gc.collect()
+    rpc.rpc_sync("other", add, args=(1, 1))
+    deadline = time.monotonic() + 5
+    while rref_id in _rref._owned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rref_id not in _rref._owned
+
+
+def test_an_rref_whose_creation_failed_cannot_be_sent(fake):
+    rref = rpc.remote("other", add, args=(1, 2))
+    lost: aiopar.Future[None] = aiopar.Future()
+    lost.set_exception(TimeoutError("the call of _create() had no reply after 0.01 s"))
+    rref._created = lost
+    with pytest.raises(RuntimeError, match="cannot be sent: the call that was to create"):
+        rpc.rpc_sync("other", keep_rref, args=(rref,))
 
 
 def test_the_core_imports_no_engine():

@@ -141,7 +141,3 @@ def _pack_error(exc: BaseException) -> wire.Packed:
         message = "<str() of the exception failed>"
     info: Any = (exc_bytes, kind, message, tb_text)
     return wire.Packed(pickle.dumps(info, protocol=5), [], None, None)
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))

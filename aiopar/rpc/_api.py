@@ -12,12 +12,11 @@ from .._future import Future
 from . import agent as _agent
 from ._rref import (
     RRef,
-    _collected,
     _create,
     _new_id,
+    call_peer,
     forget_if_timed_out,
     forget_owned,
-    send_collected,
 )
 from .agent import (
     RpcBackendOptions,
@@ -262,9 +261,8 @@ def rpc_async(
     agent = _agent.current_agent()
     if not callable(func):
         raise TypeError(f"func must be a callable to run on {to!r}, got {type(func).__name__}")
-    if _collected:
-        send_collected(agent)
-    return agent.call(
+    return call_peer(
+        agent,
         _peer_of(agent, to),
         func,
         _check_args(args),
@@ -321,18 +319,17 @@ def remote(
     if not callable(func):
         raise TypeError(f"func must be a callable to run on {to!r}, got {type(func).__name__}")
     owner = _peer_of(agent, to)
-    if _collected:
-        send_collected(agent)
-    rref_id = _new_id()
-    created = agent.call(
+    rref_id, fork_id = _new_id(), _new_id()
+    created = call_peer(
+        agent,
         owner,
         _create,
-        (rref_id, func, _check_args(args), _check_kwargs(kwargs)),
+        (rref_id, fork_id, func, _check_args(args), _check_kwargs(kwargs)),
         {},
         check_timeout(timeout, agent.default_timeout),
     )
-    created.add_done_callback(functools.partial(forget_if_timed_out, owner, rref_id))
-    return RRef._make(owner, rref_id, created)
+    created.add_done_callback(functools.partial(forget_if_timed_out, owner, rref_id, fork_id))
+    return RRef._make(owner, rref_id, fork_id, created)
 
 
 # -- argument checks ---------------------------------------------------------------

@@ -4,15 +4,25 @@ The owner keeps each value in a table, under an id its creator picks, so
 ``remote`` returns before the value exists. The table's functions below run
 on the owner through ordinary calls; the ones that wait for the value are
 ``async_execution``, so a fetch that arrives before the value holds no
-thread. A value is dropped once the RRef that ``remote`` returned is collected (the
-creator tells the owner with its next call), unless a copy of it was sent to
-another peer; then it stays until the owner shuts down. The child of an
-``os.fork()`` owns nothing, and drops none of its parent's values.
+thread.
+
+How long a value lives is counted across peers, as torch counts it: every
+RRef object (a *fork*) has an id of its own, and the owner keeps the ids of
+the forks alive. ``remote`` makes the first; pickling an RRef (to send it)
+makes another, which its sender tells the owner about; an RRef collected
+anywhere tells the owner it is gone. The owner drops the value when its
+last fork is gone. A peer sends what it has to tell an owner with its next
+call, in one call per owner at a time, in order; since a sender announces a
+fork before it says that its own is gone, and calls from one peer to one
+owner are applied in order, the owner never drops a value that a live fork
+refers to (a fork whose "gone" arrives before its announcement is noted as
+such). The child of an ``os.fork()`` owns nothing, and drops none of its
+parent's values.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -34,16 +44,37 @@ T = TypeVar("T")
 
 _owned: dict[str, Future[Any]] = {}
 _owned_lock = threading.Lock()
-# Calls run concurrently on the owner, so a creator's _delete may run before
-# its _create: the ids created and not yet deleted, and those deleted first.
-_made: set[str] = set()
-_deleted_early: set[str] = set()
-_prefix = uuid.uuid4().hex[:12]  # this process, in the ids of the RRefs it creates
+_forks: dict[str, set[str]] = {}  # the value's id -> the ids of its live forks
+# Calls run concurrently on the owner: a fork may be gone before it is
+# announced (or before the value is made), by (value id, fork id).
+_gone_early: set[tuple[str, str]] = set()
+_prefix = uuid.uuid4().hex[:12]  # this process, in the ids it makes
 _counter = itertools.count()
 
 
 def _new_id() -> str:
     return f"{_prefix}-{next(_counter)}"
+
+
+def _announce(rref_id: str, fork_id: str) -> None:
+    """A fork of the value exists (called with the table's lock held)."""
+    if (rref_id, fork_id) in _gone_early:
+        _gone_early.discard((rref_id, fork_id))
+    else:
+        _forks.setdefault(rref_id, set()).add(fork_id)
+
+
+def _forget(rref_id: str, fork_id: str) -> None:
+    """A fork of the value is gone: the last one takes the value with it
+    (called with the table's lock held)."""
+    forks = _forks.get(rref_id)
+    if forks is None or fork_id not in forks:
+        _gone_early.add((rref_id, fork_id))
+        return
+    forks.discard(fork_id)
+    if not forks:
+        del _forks[rref_id]
+        _owned.pop(rref_id, None)
 
 
 def _slot(rref_id: str, known: bool = False) -> Future[Any]:
@@ -85,17 +116,15 @@ def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: An
         target.set_result(result)
 
 
-def _create(rref_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+def _create(rref_id: str, fork_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
     with _owned_lock:
-        dropped = rref_id in _deleted_early
-        if dropped:  # its RRef is gone already: run fn, keep nothing
-            _deleted_early.discard(rref_id)
-            target: Future[Any] = Future()
-            target.add_done_callback(_ignore_outcome)
-        else:
-            _made.add(rref_id)
+        _announce(rref_id, fork_id)
+        if rref_id in _forks:
             found = _owned.get(rref_id)  # a fetch may have come first
             target = _owned[rref_id] = Future() if found is None else found
+        else:  # every fork is gone already: run fn, keep nothing
+            target = Future()
+            target.add_done_callback(_ignore_outcome)
     _run_into(target, fn, args, kwargs)
 
 
@@ -122,65 +151,111 @@ def _call_method(
     return result
 
 
-def _delete(rref_ids: list[str]) -> None:
+def _apply(changes: list[tuple[bool, str, str]]) -> None:
+    """On the owner: forks announced (True) and gone (False), in the order
+    their peer sent them."""
     with _owned_lock:
-        for rref_id in rref_ids:
-            _owned.pop(rref_id, None)
-            if rref_id in _made:
-                _made.discard(rref_id)
-            else:
-                _deleted_early.add(rref_id)
+        for announced, rref_id, fork_id in changes:
+            (_announce if announced else _forget)(rref_id, fork_id)
 
 
-_collected: deque[tuple[WorkerInfo, str]] = deque()
+# What this peer has to tell owners, in order: (owner, (announced, value id,
+# fork id)). A collected RRef appends here from any thread, even inside the
+# garbage collector (deque.append takes no lock).
+_changes: deque[tuple[WorkerInfo, tuple[bool, str, str]]] = deque()
+_outbox_lock = threading.Lock()
+_waiting: dict[str, tuple[WorkerInfo, list[tuple[bool, str, str]]]] = {}  # by owner name
+_in_flight: set[str] = set()  # owners that a call of changes is on its way to
 
 
 def _timed_out(created: Future[Any]) -> bool:
     return isinstance(created._exception, TimeoutError)
 
 
-def forget_if_timed_out(owner: WorkerInfo, rref_id: str, created: Future[Any]) -> None:
+def forget_if_timed_out(
+    owner: WorkerInfo, rref_id: str, fork_id: str, created: Future[Any]
+) -> None:
     """A done-callback of the call that creates a value: if it timed out, the
-    RRef has failed, so the owner is told to drop the value (with the next
-    call from this peer), made or not."""
+    RRef has failed, so its fork is gone (the owner hears of it with the
+    next call from this peer, and drops the value unless a copy was sent)."""
     if _timed_out(created):
-        _collected.append((owner, rref_id))  # RRefs collected here, by owner
+        _changes.append((owner, (False, rref_id, fork_id)))
 
 
-def send_collected(agent: _agent.RpcAgent) -> None:
-    """Tell the owners of the RRefs collected here to drop their values.
+def send_changes(agent: _agent.RpcAgent) -> None:
+    """Tell owners what changed here: one call per owner at a time, so an
+    owner applies them in the order they happened; what happens meanwhile
+    goes with the next. Safe in several threads at once."""
+    me = agent.worker_info.name
+    local: list[tuple[bool, str, str]] = []
+    ready: list[tuple[WorkerInfo, list[tuple[bool, str, str]]]] = []
+    with _outbox_lock:
+        while True:
+            try:
+                owner, change = _changes.popleft()
+            except IndexError:
+                break
+            if owner.name == me:
+                local.append(change)
+            else:
+                _waiting.setdefault(owner.name, (owner, []))[1].append(change)
+        for name in list(_waiting):
+            if name not in _in_flight:
+                ready.append(_waiting.pop(name))
+                _in_flight.add(name)
+    if local:
+        _apply(local)
+    for owner, changes in ready:
+        try:
+            sent = agent.call(owner, _apply, (changes,), {}, 0)
+        except Exception:  # this peer has shut down: its owners forget it anyway
+            _sent(agent, owner.name, None)
+        else:
+            sent.add_done_callback(functools.partial(_sent, agent, owner.name))
 
-    Safe in several threads at once: each id queued is sent by one of them.
-    """
-    by_owner: dict[WorkerInfo, list[str]] = {}
-    while True:
-        try:  # popleft is atomic; a check before it could see an id another thread takes
-            owner, rref_id = _collected.popleft()
-        except IndexError:
-            break
-        by_owner.setdefault(owner, []).append(rref_id)
-    for owner, rref_ids in by_owner.items():
-        if owner.name == agent.worker_info.name:
-            _delete(rref_ids)
-            continue
-        with contextlib.suppress(Exception):  # the owner is gone, and its table with it
-            agent.call(owner, _delete, (rref_ids,), {}, 0).add_done_callback(_ignore_outcome)
+
+def call_peer(
+    agent: _agent.RpcAgent,
+    to: WorkerInfo,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+) -> Future[Any]:
+    """Every call from this peer: what changed for owners goes first."""
+    if _changes:
+        send_changes(agent)
+    return agent.call(to, fn, args, kwargs, timeout)
+
+
+def _sent(agent: _agent.RpcAgent, owner: str, call: Future[Any] | None) -> None:
+    if call is not None:
+        _ignore_outcome(call)  # an owner that is gone took its table along
+    with _outbox_lock:
+        _in_flight.discard(owner)
+        more = owner in _waiting
+    if more:
+        send_changes(agent)
 
 
 def forget_owned() -> None:
-    """Drop every value this process owns (at shutdown)."""
+    """Drop every value this process owns, and what it had to tell (at shutdown)."""
     with _owned_lock:
         _owned.clear()
-        _made.clear()
-        _deleted_early.clear()
-    _collected.clear()
+        _forks.clear()
+        _gone_early.clear()
+    with _outbox_lock:
+        _changes.clear()
+        _waiting.clear()
+        _in_flight.clear()
 
 
 def _forget_in_child() -> None:
     """After ``os.fork()``, in the child: it owns nothing, and the RRefs it
     inherited are its parent's to drop (a new prefix tells them apart)."""
-    global _owned_lock, _prefix
-    _owned_lock = threading.Lock()  # a parent's thread may have held it
+    global _owned_lock, _outbox_lock, _prefix
+    _owned_lock = threading.Lock()  # a parent's thread may have held them
+    _outbox_lock = threading.Lock()
     _prefix = uuid.uuid4().hex[:12]
     forget_owned()
 
@@ -201,49 +276,64 @@ class RRef(Generic[T]):
     :meth:`local_value` is that value itself. Its methods may be called
     from any thread.
 
-    How long the value lives: the owner drops it once the RRef that
-    :func:`~aiopar.rpc.remote` returned is garbage-collected on its creator
-    (the owner hears of it with the creator's next ``rpc_sync``,
-    ``rpc_async`` or ``remote``), unless that RRef was pickled, as it is
-    when sent in a call or a result. A value whose RRef was pickled, and
-    one made with ``RRef(value)``, stays until its owner shuts down.
+    How long the value lives: as long as an RRef to it exists on any peer.
+    Each RRef object (the one :func:`~aiopar.rpc.remote` returns, and each
+    copy sent in a call or a result) tells the owner when it is
+    garbage-collected, with the next ``rpc_sync``, ``rpc_async`` or
+    ``remote`` of its peer; the owner drops the value when the last one is
+    gone. An RRef whose creation failed cannot be sent (RuntimeError, as
+    torch's). A value also goes when its owner shuts down.
     """
 
-    __slots__ = ("__weakref__", "_created", "_id", "_owner", "_shared")
+    __slots__ = ("__weakref__", "_created", "_fork", "_home", "_id", "_owner")
 
     def __init__(self, value: T) -> None:
         self._owner = _agent.current_agent().worker_info
         self._id = _new_id()
+        self._fork = _new_id()
         self._created: Future[Any] | None = None
-        self._shared = False
+        self._home = _prefix
+        with _owned_lock:
+            _announce(self._id, self._fork)
         _slot(self._id).set_result(value)
 
     @classmethod
-    def _make(cls, owner: WorkerInfo, rref_id: str, created: Future[Any] | None) -> RRef[Any]:
+    def _make(
+        cls, owner: WorkerInfo, rref_id: str, fork_id: str, created: Future[Any] | None
+    ) -> RRef[Any]:
         rref = cls.__new__(cls)
-        rref._owner, rref._id, rref._created, rref._shared = owner, rref_id, created, False
+        rref._owner, rref._id, rref._fork, rref._created = owner, rref_id, fork_id, created
+        rref._home = _prefix
         return rref
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The owner can no longer tell when the last copy is gone.
-        self._shared = True
-        return (_rebuild, (self._owner, self._id))
+        created = self._created
+        if created is not None and created.done() and created.exception() is not None:
+            raise RuntimeError(
+                f"{self!r} cannot be sent: the call that was to create its value failed "
+                f"({type(created.exception()).__name__}: {created.exception()})"
+            )
+        # The copy is a fork of its own, announced to the owner before this
+        # one can say that it is gone (see the module's docstring).
+        fork_id = _new_id()
+        if self._owner.name == _my_name():
+            with _owned_lock:
+                _announce(self._id, fork_id)
+        else:
+            _changes.append((self._owner, (True, self._id, fork_id)))
+        return (_rebuild, (self._owner, self._id, fork_id))
 
     def __repr__(self) -> str:
         return f"RRef(owner={self._owner.name}, id={self._id})"
 
     def __del__(self) -> None:
         # The garbage collector may run this in any thread, holding any lock:
-        # only note the id here (deque.append takes no lock); the next call
-        # from this peer sends it (see send_collected).
+        # only note it here (deque.append takes no lock); the next call from
+        # this peer tells the owner (see send_changes).
         created = self._created
-        if (
-            created is not None
-            and not self._shared
-            and self._id.startswith(_prefix)
-            and not _timed_out(created)  # then dropped already (see forget_if_timed_out)
-        ):
-            _collected.append((self._owner, self._id))
+        if self._home == _prefix and (created is None or not _timed_out(created)):
+            # (a timed-out creation said its fork was gone: see forget_if_timed_out)
+            _changes.append((self._owner, (False, self._id, self._fork)))
 
     # -- where it lives -------------------------------------------------------------
 
@@ -315,7 +405,7 @@ class RRef(Generic[T]):
             value = _slot(self._id).wait(seconds or None)
         else:
             fetch = (self._id, self._made_by_owner())
-            value = agent.call(self._owner, _fetch, fetch, {}, seconds).wait()
+            value = call_peer(agent, self._owner, _fetch, fetch, {}, seconds).wait()
         if self._created is not None:
             # The value exists, so the call that made it has replied or failed
             # (it timed out: then the RRef fails, as torch's does).
@@ -372,8 +462,15 @@ def _ignore_outcome(future: Future[Any]) -> None:
         future.exception()  # retrieved: an owner that is gone needs no delete
 
 
-def _rebuild(owner: WorkerInfo, rref_id: str) -> RRef[Any]:
-    return RRef._make(owner, rref_id, None)
+def _rebuild(owner: WorkerInfo, rref_id: str, fork_id: str) -> RRef[Any]:
+    return RRef._make(owner, rref_id, fork_id, None)
+
+
+def _my_name() -> str | None:
+    """This peer's name, or None if this process is no peer (an RRef
+    pickled there is announced to its owner by the next call, if any)."""
+    agent = _agent._current
+    return None if agent is None else agent.worker_info.name
 
 
 class _Proxy:

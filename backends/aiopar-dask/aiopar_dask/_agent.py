@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pickle
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -128,7 +129,7 @@ class DaskRpcAgent(RpcAgent):
             raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
         try:
             frames = _wire.dumps((fn, args, kwargs))
-        except Exception as exc:
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:  # what cannot pickle
             raise TypeError(
                 f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
                 f"{type(exc).__name__}: {exc}"

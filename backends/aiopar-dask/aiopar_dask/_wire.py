@@ -26,7 +26,10 @@ large frame is read straight into its own buffer).
 from __future__ import annotations
 
 import contextlib
+import copyreg
+import io
 import pickle
+import re
 import socket
 import ssl
 import struct
@@ -36,7 +39,9 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
-from distributed.protocol import pickle as dask_pickle
+import cloudpickle
+
+from aiopar.rpc import RRef
 
 from . import _handshake
 from ._handshake import new_secret
@@ -76,22 +81,36 @@ Protocol = Generator[int, bytearray, None]  # yields how many bytes it needs, is
 def dumps(obj: Any) -> tuple[Frames, list[bool]]:
     """``obj`` as frames (a pickle and its out-of-band buffers) and their writeable flags.
 
-    Plain pickle first, as dask's pickler does; its cloudpickle fallback
-    (lambdas, what is defined in ``__main__``) only when that fails or
-    refers to ``__main__``.
+    Plain pickle first, as dask's pickler does; cloudpickle (lambdas, what is
+    defined in ``__main__``) only when that fails or refers to ``__main__``.
+    A message that holds an RRef goes straight to cloudpickle: pickling an
+    RRef makes a copy that its owner counts, so it must be pickled once.
     """
     buffers: list[pickle.PickleBuffer] = []
     try:
-        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    except Exception:
+        stream = io.BytesIO()
+        _PlainPickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+        data: Any = stream.getbuffer()  # no copy
+    except Exception:  # an RRef, or what plain pickle cannot do
         data = b"__main__"
-    if b"__main__" in data:
+    if _MAIN.search(data):  # (re searches a memoryview without copying it)
         buffers.clear()
-        data = dask_pickle.dumps(obj, buffer_callback=buffers.append)
+        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     # raw(): the bytes of any contiguous buffer, a zero-length dimension
     # included (a cast of a view with zeros in its shape fails).
     views = [b.raw() for b in buffers]
     return [data, *views], [True, *(not v.readonly for v in views)]
+
+
+def _not_in_plain_pickle(obj: object) -> Any:
+    raise pickle.PicklingError(f"{type(obj).__name__} is pickled once, by cloudpickle")
+
+
+class _PlainPickler(pickle.Pickler):
+    dispatch_table = {**copyreg.dispatch_table, RRef: _not_in_plain_pickle}
+
+
+_MAIN = re.compile(rb"__main__")
 
 
 def loads(frames: Frames) -> Any:

@@ -364,6 +364,54 @@ def test_a_remote_whose_creation_times_out_fails_and_its_owner_keeps_nothing(pee
     assert wait_until(lambda: rpc.rpc_sync("worker1", values_owned) == before, timeout=10)
 
 
+def fetch_size(rref: rpc.RRef[np.ndarray]) -> int:
+    """On a third peer: use the RRef's value (a call to its owner), and drop the copy."""
+    return int(rref.to_here().nbytes)
+
+
+def rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def test_ten_thousand_rrefs_shared_with_a_third_peer_leave_the_owner_flat(peers):
+    # Each RRef's value lives on worker1; a copy goes to worker2, which uses
+    # it and drops it; then this peer drops its own. The owner counts the
+    # copies across peers (torch's fork protocol) and frees every value.
+    def share(count: int) -> None:
+        for _ in range(count):
+            rref = rpc.remote("worker1", np.ones, args=(1024,))  # 8 KB on the owner
+            assert rpc.rpc_sync("worker2", fetch_size, args=(rref,)) == 8192
+
+    def settled() -> bool:
+        # the peers tell owners with their next call: one from each
+        rpc.rpc_sync("worker2", rpc.rpc_sync, args=("worker1", len, ((),)))
+        return rpc.rpc_sync("worker1", values_owned) == before
+
+    before = rpc.rpc_sync("worker1", values_owned)
+    share(500)  # the allocator's pools warm up
+    assert wait_until(settled, timeout=30)
+    start = rpc.rpc_sync("worker1", rss_mb)
+    share(10_000)  # 80 MB of values if the owner kept them
+    assert wait_until(settled, timeout=30)
+    assert rpc.rpc_sync("worker1", rss_mb) - start < 30
+
+
+def test_an_rref_sent_with_a_lambda_is_one_copy_to_its_owner(peers):
+    # A message that plain pickle cannot take is pickled again by cloudpickle:
+    # an RRef in it must not become two copies, one of which never goes away.
+    from aiopar_dask import _wire
+
+    from aiopar.rpc import _rref
+
+    rref = rpc.remote("worker1", np.ones, args=(3,))
+    rpc.rpc_sync("worker1", len, args=((),))  # what was queued is sent
+    _wire.dumps((lambda r: r, (rref,), {}))
+    announced = [change for _, change in _rref._changes if change[0] and change[1] == rref._id]
+    assert len(announced) == 1
+
+
 def test_a_then_callback_may_call_the_same_peer_and_callbacks_keep_their_order(peers):
     # then() callbacks once ran on the thread that reads the peer's replies,
     # ahead of the done-callbacks added before them: a blocking call to the same
