@@ -75,7 +75,8 @@ def collect_all(futs: Iterable[Future[T]]) -> Future[list[Future[T]]]:
     """A future that is done once every future in ``futs`` is done.
 
     Its value is the list of the futures themselves, in order; it never
-    fails, whatever they did (``torch.futures.collect_all``).
+    fails, whatever they did (``torch.futures.collect_all`` fails with the
+    first error once all are done: see docs/then.md).
     """
     futures = _future_list(futs, "collect_all()")
     return _when_all(futures, futures, fail_fast=False)
@@ -85,7 +86,8 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
     """Wait for every future and return their values in order.
 
     Raises as soon as one fails: the exception of the first failed future
-    in list order among those done by then (``torch.futures.wait_all``).
+    in list order among those done by then (as ``torch.futures.wait_all``
+    documents it; torch 2's waits for every future first).
     Tasks that have not started run in the calling thread.
     """
     futures = _future_list(futs, "wait_all()")

@@ -23,6 +23,7 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<info>[^\n]*)$")
 
+
 def python_blocks(path: Path) -> list[tuple[int, str]]:
     """(first line number, source) of each ```python block not marked to skip."""
     blocks: list[tuple[int, str]] = []
