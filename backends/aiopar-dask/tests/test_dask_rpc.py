@@ -20,6 +20,7 @@ from dask_helpers import (
     log_debug_to,
     wait_until,
 )
+from torch_rpc_helpers import AsyncExecutionClass  # torch's, used here too
 
 import aiopar
 from aiopar import rpc
@@ -60,24 +61,6 @@ def async_add(to, x, y):
 @rpc.functions.async_execution
 def fail_later():
     return aiopar.fork(fail_deep)
-
-
-class AsyncExecutionClass:
-    @staticmethod
-    @rpc.functions.async_execution
-    def static_async_add(to, x, y, z):
-        return rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: fut.wait() + z)
-
-    @classmethod
-    @rpc.functions.async_execution
-    def class_async_add(cls, to, x, y, z):
-        ret_fut = aiopar.Future()
-        rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: ret_fut.set_result(fut.wait() + z))
-        return ret_fut
-
-    @rpc.functions.async_execution
-    def bound_async_add(self, to, x, y, z):
-        return rpc.rpc_async(to, np.add, args=(x, y)).then(lambda fut: fut.wait() + z)
 
 
 class Counter:
