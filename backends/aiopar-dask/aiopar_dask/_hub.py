@@ -106,11 +106,12 @@ class Hub:
 
     def _run(self) -> None:
         self._thread_init()
+        select, calls, deadlines = self._selector.select, self._calls, self._deadlines
         while True:
             timeout = None
-            if self._deadlines:
-                timeout = max(0.0, min(self._deadlines.values()) - time.monotonic())
-            for key, events in self._selector.select(timeout):
+            if deadlines:
+                timeout = max(0.0, min(deadlines.values()) - time.monotonic())
+            for key, events in select(timeout):
                 target = key.data
                 if target is None:
                     with contextlib.suppress(OSError):
@@ -121,19 +122,22 @@ class Hub:
                     target.on_writable()
                 if events & selectors.EVENT_READ:
                     target.on_readable()
-            with self._lock:
-                calls, self._calls = self._calls, deque()
-                closed = self._closed
-            for fn, args in calls:
+            while calls:  # appended under the lock, taken from here only
+                fn, args = calls.popleft()
                 fn(*args)
-            if closed:
+            if self._closed:
+                with self._lock:  # no call can come any more
+                    left = list(calls)
+                for fn, args in left:
+                    fn(*args)
                 self._stop()
                 return
-            now = time.monotonic()
-            for target, deadline in list(self._deadlines.items()):
-                if deadline <= now:
-                    del self._deadlines[target]
-                    target.on_late()
+            if deadlines:
+                now = time.monotonic()
+                for target, deadline in list(deadlines.items()):
+                    if deadline <= now:
+                        del deadlines[target]
+                        target.on_late()
 
     def _stop(self) -> None:
         self._selector.close()

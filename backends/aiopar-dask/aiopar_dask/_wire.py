@@ -138,6 +138,12 @@ class _Tls:
         self.session = context.wrap_bio(
             self.incoming, self.outgoing, server_side=server_side, server_hostname=host
         )
+        self.received = bytearray(_STAGING)  # what the socket gave, before it is decrypted
+        self.drained = False  # the socket's last read came back short
+
+    def holds_nothing(self) -> bool:
+        """Whether everything read from the socket has been decrypted and taken."""
+        return self.drained and not self.incoming.pending and not self.session.pending()
 
 
 class Connection:
@@ -347,7 +353,7 @@ class Connection:
                     self._got = held
                     self._start = self._end = 0
                     continue
-                if drained and self._tls is None:  # (TLS may hold decrypted bytes still)
+                if drained and (self._tls is None or self._tls.holds_nothing()):
                     return  # the hub calls again when more comes
                 if self._start:
                     self._staging[:held] = self._staging[self._start : self._end]
@@ -373,19 +379,22 @@ class Connection:
         return got
 
     def _decrypt_into(self, view: memoryview) -> int:
-        assert self._tls is not None
+        tls = self._tls
+        assert tls is not None
         while True:
-            try:
-                return self._tls.session.read(len(view), view)
-            except ssl.SSLWantReadError:
-                self._take_encrypted()  # the handshake's answers
-                self._write_soon()
-                data = self._sock.recv(_STAGING)
-                if not data:
+            if tls.incoming.pending or tls.session.pending():  # (else read() could only fail)
+                try:
+                    return tls.session.read(len(view), view)
+                except ssl.SSLWantReadError:  # a part of a record; or the handshake goes on
+                    self._take_encrypted()  # the handshake's answers
+                    self._write_soon()
+                except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
                     return 0
-                self._tls.incoming.write(data)
-            except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
+            got = self._sock.recv_into(tls.received)
+            tls.drained = got < len(tls.received)
+            if not got:
                 return 0
+            tls.incoming.write(memoryview(tls.received)[:got])
 
     def on_late(self) -> None:
         """The hub: the handshake did not end in time."""
