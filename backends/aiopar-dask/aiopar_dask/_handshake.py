@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Callable, Generator
 from typing import Protocol
 
-__all__ = ["Channel", "admit", "new_secret", "prove_to_listener"]
+__all__ = ["BlockingChannel", "Channel", "admit", "new_secret", "prove_to_listener"]
 
 MAGIC = b"aiopar-rpc/1\n"
 _NONCE = _MAC = 32  # bytes (HMAC-SHA256)
@@ -32,6 +32,8 @@ class Channel(Protocol):
 
 
 class BlockingChannel(Channel, Protocol):
+    """The caller's channel: it waits for what it reads, until its timeout."""
+
     def receive_exactly(self, size: int) -> bytes: ...
 
 
