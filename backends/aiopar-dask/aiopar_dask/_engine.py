@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing.process
 import os
 import signal
 import sys
@@ -374,19 +373,14 @@ def _forget_in_child() -> None:
 
 def _disown(agent: DaskRpcAgent) -> None:
     """In the child of a fork, leave to the parent what dask would clean up
-    at the child's exit: the peer's and the scheduler's directories, the
-    embedded cluster, and its worker processes (which multiprocessing's
-    atexit handler would terminate)."""
+    at the child's exit: the peer's and the scheduler's directories, and
+    the embedded cluster. (Its nannies are no children of the child, which
+    cannot wait for them, so asyncio leaves them alone too.)"""
     servers: list[Any] = [agent._worker]
     cluster = agent.cluster
     if cluster is not None:
         SpecCluster._instances.discard(cluster)
         servers.append(cluster.scheduler)
-        for nanny in cluster.workers.values():
-            process = getattr(getattr(nanny, "process", None), "process", None)  # AsyncProcess
-            if process is not None:
-                process._proc_finalizer.detach()
-                multiprocessing.process._children.discard(process._process)  # type: ignore[attr-defined]
     for server in servers:
         workdir = getattr(server, "_workdir", None)
         if workdir is not None:
