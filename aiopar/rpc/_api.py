@@ -17,6 +17,7 @@ from ._rref import (
     call_peer,
     forget_if_timed_out,
     forget_owned,
+    send_changes,
 )
 from .agent import (
     RpcBackendOptions,
@@ -171,6 +172,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             f"a number >= 0 (0: no limit), got {timeout!r}"
         )
     agent = _agent.current_agent()
+    if graceful:
+        send_changes(agent)  # the owners hear which RRefs this peer let go
     try:
         agent.shutdown(graceful=graceful, timeout=timeout)
     finally:

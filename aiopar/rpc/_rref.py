@@ -12,16 +12,17 @@ the forks alive. ``remote`` makes the first; pickling an RRef (to send it)
 makes another, which its sender tells the owner about; an RRef collected
 anywhere tells the owner it is gone. The owner drops the value when its
 last fork is gone. A peer sends what it has to tell an owner with its next
-call, in one call per owner at a time, in order; since a sender announces a
-fork before it says that its own is gone, and calls from one peer to one
-owner are applied in order, the owner never drops a value that a live fork
-refers to (a fork whose "gone" arrives before its announcement is noted as
-such). The child of an ``os.fork()`` owns nothing, and drops none of its
-parent's values.
+call (or within ``FLUSH_INTERVAL`` if it makes none), one call per owner at
+a time, in order. Since a sender announces a fork before it says that its
+own is gone, and an owner applies a peer's changes in order, the owner
+never drops a value that a live fork refers to (a fork whose "gone"
+arrives before its announcement is noted as such). The child of an
+``os.fork()`` owns nothing, and drops none of its parent's values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -238,8 +239,40 @@ def _sent(agent: _agent.RpcAgent, owner: str, call: Future[Any] | None) -> None:
         send_changes(agent)
 
 
+# A peer tells owners what changed with its next call, and this thread tells
+# them when the peer makes none for a while (torch sends them at once, from
+# a thread of its own too). It starts with the first RRef of the process.
+FLUSH_INTERVAL = 0.5  # seconds
+_flusher: tuple[threading.Thread, threading.Event] | None = None
+
+
+def _start_flusher() -> None:
+    global _flusher
+    if _flusher is not None:
+        return
+    with _outbox_lock:
+        if _flusher is not None:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=_flush_until, args=(stop,), name="aiopar-rpc-rrefs", daemon=True
+        )
+        _flusher = (thread, stop)
+    thread.start()
+
+
+def _flush_until(stop: threading.Event) -> None:
+    while not stop.wait(FLUSH_INTERVAL):
+        agent = _agent._current
+        if agent is not None and _changes:
+            with contextlib.suppress(Exception):  # the peer is shutting down
+                send_changes(agent)
+
+
 def forget_owned() -> None:
-    """Drop every value this process owns, and what it had to tell (at shutdown)."""
+    """Drop every value this process owns, and what it had to tell, and stop
+    telling (at shutdown)."""
+    global _flusher
     with _owned_lock:
         _owned.clear()
         _forks.clear()
@@ -248,14 +281,21 @@ def forget_owned() -> None:
         _changes.clear()
         _waiting.clear()
         _in_flight.clear()
+        flusher, _flusher = _flusher, None
+    if flusher is not None:
+        thread, stop = flusher
+        stop.set()
+        if thread is not threading.current_thread():
+            thread.join(5)
 
 
 def _forget_in_child() -> None:
     """After ``os.fork()``, in the child: it owns nothing, and the RRefs it
     inherited are its parent's to drop (a new prefix tells them apart)."""
-    global _owned_lock, _outbox_lock, _prefix
+    global _owned_lock, _outbox_lock, _prefix, _flusher
     _owned_lock = threading.Lock()  # a parent's thread may have held them
     _outbox_lock = threading.Lock()
+    _flusher = None  # the parent's thread: none runs here
     _prefix = uuid.uuid4().hex[:12]
     forget_owned()
 
@@ -279,10 +319,10 @@ class RRef(Generic[T]):
     How long the value lives: as long as an RRef to it exists on any peer.
     Each RRef object (the one :func:`~aiopar.rpc.remote` returns, and each
     copy sent in a call or a result) tells the owner when it is
-    garbage-collected, with the next ``rpc_sync``, ``rpc_async`` or
-    ``remote`` of its peer; the owner drops the value when the last one is
-    gone. An RRef whose creation failed cannot be sent (RuntimeError, as
-    torch's). A value also goes when its owner shuts down.
+    garbage-collected, with its peer's next call or within half a second;
+    the owner drops the value when the last one is gone. An RRef whose
+    creation failed cannot be sent (RuntimeError, as torch's). A value
+    also goes when its owner shuts down.
     """
 
     __slots__ = ("__weakref__", "_created", "_fork", "_home", "_id", "_owner")
@@ -296,6 +336,7 @@ class RRef(Generic[T]):
         with _owned_lock:
             _announce(self._id, self._fork)
         _slot(self._id).set_result(value)
+        _start_flusher()
 
     @classmethod
     def _make(
@@ -304,6 +345,7 @@ class RRef(Generic[T]):
         rref = cls.__new__(cls)
         rref._owner, rref._id, rref._fork, rref._created = owner, rref_id, fork_id, created
         rref._home = _prefix
+        _start_flusher()
         return rref
 
     def __reduce__(self) -> tuple[Any, ...]:

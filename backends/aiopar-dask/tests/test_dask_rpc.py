@@ -381,6 +381,30 @@ def test_ten_thousand_rrefs_shared_with_a_third_peer_leave_the_owner_flat(peers)
     assert rpc.rpc_sync("worker1", rss_mb) - start < 30
 
 
+kept: list[rpc.RRef[object]] = []
+
+
+def keep(rref: rpc.RRef[object]) -> None:
+    kept.append(rref)
+
+
+def drop_kept() -> None:
+    kept.clear()
+
+
+def test_a_peer_that_calls_no_more_still_lets_its_rref_copies_go(peers):
+    # worker2 holds a copy, drops it, and never calls worker1 (the owner):
+    # it tells the owner within half a second all the same.
+    before = rpc.rpc_sync("worker1", values_owned)
+    rref = rpc.remote("worker1", np.ones, args=(3,))
+    rpc.rpc_sync("worker2", keep, args=(rref,))
+    del rref
+    rpc.rpc_sync("worker1", len, args=((),))  # this peer's own copy is gone
+    assert rpc.rpc_sync("worker1", values_owned) == before + 1  # worker2's is not
+    rpc.rpc_sync("worker2", drop_kept)
+    assert wait_until(lambda: rpc.rpc_sync("worker1", values_owned) == before, timeout=10)
+
+
 def test_an_rref_sent_with_a_lambda_is_one_copy_to_its_owner(peers):
     # A message that plain pickle cannot take is pickled again by cloudpickle:
     # an RRef in it must not become two copies, one of which never goes away.
