@@ -358,6 +358,7 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+@pytest.mark.timeout(240)  # 20,000 calls: slow on a busy machine
 def test_ten_thousand_rrefs_shared_with_a_third_peer_leave_the_owner_flat(peers):
     # Each RRef's value lives on worker1; a copy goes to worker2, which uses
     # it and drops it; then this peer drops its own. The owner counts the
