@@ -77,7 +77,7 @@ class RemoteFailure(Exception):
         super().__init__(packed)
         self.packed = packed
 
-    def __str__(self) -> str:  # what dask logs: the exception's own last line
+    def __str__(self) -> str:  # what dask shows of it: the exception's own last line
         lines = self.packed[2].strip().splitlines()
         return lines[-1] if lines else "an exception"
 

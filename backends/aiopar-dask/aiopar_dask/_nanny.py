@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import pickle
 import signal
 import socket
@@ -31,8 +30,6 @@ from distributed.utils import silence_logging_cmgr
 from aiopar.backends import fresh_python
 
 __all__ = ["FreshNanny"]
-
-_logger = logging.getLogger("aiopar.dask")
 
 # How long a nanny may take to stop its worker once told to, before it is killed.
 CLOSE_TIMEOUT = 10.0

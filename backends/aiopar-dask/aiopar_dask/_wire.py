@@ -318,7 +318,8 @@ class Connection:
         deadline: float | None = None,
     ) -> None:
         """Have ``hub`` read this connection into ``protocol`` from now on;
-        ``on_close(why)`` runs once if the connection breaks or closes."""
+        ``on_close(why)`` runs once if the connection breaks (not when
+        :meth:`close` closes it)."""
         self._protocol = protocol
         self._wanted = next(protocol)
         self._on_close = on_close
