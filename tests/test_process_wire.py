@@ -77,3 +77,14 @@ def test_a_big_pickle_travels_in_shared_memory(channels):
     got = frame.loads()
     assert got[:2] == value[:2] and got[3] == value[3]
     np.testing.assert_array_equal(got[2], array)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="segments need memfd_create")
+def test_a_segment_shorter_than_its_message_is_refused_not_mapped():
+    # Reading past a mapping's end kills the process (SIGBUS): refuse it first.
+    fd = os.memfd_create("short")
+    os.ftruncate(fd, 4096)
+    with pytest.raises(ValueError, match="segment of 4096 bytes holds no 8192-byte message"):
+        wire.map_segment(fd, 8192, [8192], lambda: None)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed all the same

@@ -21,17 +21,22 @@ from .._future import set_callback_runner
 from .._waiter import Waiter, get_waiter, set_waiter
 from ._base import Backend, Task, at_exit, check_count
 from ._fresh import fresh_python
+from ._shm import HAVE_MEMFD, SegmentPool, aligned, map_segment
 
 __all__ = [
+    "HAVE_MEMFD",
     "Backend",
+    "SegmentPool",
     "Task",
     "Waiter",
+    "aligned",
     "at_exit",
     "available_backends",
     "check_count",
     "create_backend",
     "fresh_python",
     "get_waiter",
+    "map_segment",
     "set_callback_runner",
     "set_waiter",
 ]

@@ -3,7 +3,7 @@ Unix socket, with large buffers passed as shared-memory file descriptors.
 
 A frame is a fixed header, the ids of buffers and of released segments, and
 a pickle (:mod:`._process_pickle` makes it); a segment's descriptor
-(:mod:`._process_shm`) travels with its frame (``SCM_RIGHTS``). A pickle
+(:mod:`._shm`) travels with its frame (``SCM_RIGHTS``). A pickle
 too small for a segment is read into one buffer of its size, so a message
 costs time in proportion to its size. The receiver reports the segments it
 no longer maps on a later frame (``released``).
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._process_pickle import LARGE_BUFFER, LARGE_PICKLE, Packed, load_call, pack, pack_call
-from ._process_shm import SegmentPool, aligned, map_segment
+from ._shm import SegmentPool, aligned, map_segment
 
 __all__ = [
     "LARGE_BUFFER",

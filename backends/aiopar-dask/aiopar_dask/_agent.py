@@ -17,7 +17,7 @@ import pickle
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import distributed
 from distributed import SpecCluster
@@ -55,6 +55,15 @@ _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is go
 _POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
 
 
+class _Where(NamedTuple):
+    """Where a peer listens, as the scheduler lists it."""
+
+    info: WorkerInfo
+    address: str  # its dask worker's
+    port: int  # its rpc listener's, on the address's host
+    local: str | None  # its Unix socket's name, for peers of its machine
+
+
 class DaskRpcAgent(RpcAgent):
     """The rpc agent of one :class:`Peer`."""
 
@@ -63,7 +72,7 @@ class DaskRpcAgent(RpcAgent):
         self._id = peer_id
         self._default_timeout = default_timeout
         self._lock = threading.Lock()
-        self._peers: dict[str, tuple[WorkerInfo, str, int]] = {}  # name -> (info, address, port)
+        self._peers: dict[str, _Where] = {}  # by name
         self._links: dict[str, Link] = {}  # by callee name
         self._settler = Settler("rpc")
         self._timeouts = Timeouts(self._settler.call)
@@ -72,6 +81,8 @@ class DaskRpcAgent(RpcAgent):
         # call it settles may block, even on a reply it is to read.
         self._hub = _wire.Hub(thread_init=lambda: set_callback_runner(self._settler.call))
         self._listener: _wire.Listener | None = None
+        # Big buffers to peers of this machine go through shared memory from here.
+        self._segments = _wire.SegmentPool() if _wire.HAVE_MEMFD else None
         self._stopped: BaseException | None = None
         self._scheduler_gone: str | None = None  # why the peers cannot be looked up
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
@@ -81,6 +92,12 @@ class DaskRpcAgent(RpcAgent):
     def port(self) -> int:
         assert self._listener is not None
         return self._listener.port
+
+    @property
+    def local(self) -> str | None:
+        """The name of the Unix socket that peers of this machine connect to, if any."""
+        assert self._listener is not None
+        return self._listener.local
 
     # -- RpcAgent ------------------------------------------------------------------
 
@@ -109,13 +126,13 @@ class DaskRpcAgent(RpcAgent):
                     f"{self._scheduler_gone}; the peers it knows are: {listing}"
                 )
             raise ValueError(f"there is no rpc peer {what}; the peers are: {listing}")
-        return found[0]
+        return found.info
 
     def peers(self) -> list[WorkerInfo]:
         if self._scheduler_gone is None:  # else: the peers known when it went
             self._run(self._refresh_peers())
         with self._lock:
-            return sorted((p[0] for p in self._peers.values()), key=lambda info: info.id)
+            return sorted((p.info for p in self._peers.values()), key=lambda info: info.id)
 
     def call(
         self,
@@ -166,16 +183,21 @@ class DaskRpcAgent(RpcAgent):
         """The scheduler is gone: the peers known now are all this peer will know."""
         self._scheduler_gone = reason
 
-    def _lookup(self, to: str | int) -> tuple[WorkerInfo, str, int] | None:
+    def _lookup(self, to: str | int) -> _Where | None:
         with self._lock:
             if isinstance(to, str):
                 return self._peers.get(to)
-            return next((p for p in self._peers.values() if p[0].id == to), None)
+            return next((p for p in self._peers.values() if p.info.id == to), None)
 
     async def _refresh_peers(self) -> None:
         identity = await self._worker.scheduler.identity(n_workers=-1)
         peers = {
-            str(w["name"]): (WorkerInfo(str(w["name"]), w["aiopar_id"]), a, w["aiopar_rpc_port"])
+            str(w["name"]): _Where(
+                WorkerInfo(str(w["name"]), w["aiopar_id"]),
+                a,
+                w["aiopar_rpc_port"],
+                w.get("aiopar_rpc_local"),
+            )
             for a, w in identity["workers"].items()
             if "aiopar_id" in w
         }
@@ -193,13 +215,19 @@ class DaskRpcAgent(RpcAgent):
             self.peer(name)  # refreshes, or raises naming the peers
             found = self._lookup(name)
             assert found is not None
-        _, address, port = found
-        host = distributed.comm.get_address_host(address)
+        host = distributed.comm.get_address_host(found.address)
         context = self._worker.connection_args.get("ssl_context")
         secret = self._worker.rpc_secret
         assert secret is not None  # set before the peer listens, and so before any call
         connection = _wire.connect(
-            host, port, _CONNECT_TIMEOUT, context, secret, self.worker_info.name
+            host,
+            found.port,
+            _CONNECT_TIMEOUT,
+            context,
+            secret,
+            self.worker_info.name,
+            local=found.local,
+            segments=self._segments,
         )
         with self._lock:
             if self._stopped is not None:
@@ -207,7 +235,7 @@ class DaskRpcAgent(RpcAgent):
                 raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
             link = self._links.get(name)
             if link is None:
-                link = self._links[name] = Link(self, name, address, connection)
+                link = self._links[name] = Link(self, name, found.address, connection)
                 return link
         connection.close()  # another thread connected first
         return link
@@ -218,14 +246,17 @@ class DaskRpcAgent(RpcAgent):
         with self._lock:
             if self._links.get(link.name) is link:
                 del self._links[link.name]
-            if self._peers.get(link.name, (None, None, None))[1] == link.address:
+            found = self._peers.get(link.name)
+            if found is not None and found.address == link.address:
                 del self._peers[link.name]
 
     # -- the callee's side ----------------------------------------------------------------
 
     def _listen(self, host: str, secret: bytes) -> None:
         context = self._worker.security.get_listen_args("worker").get("ssl_context")
-        self._listener = _wire.Listener(self._hub, host, context, secret, self._on_call)
+        self._listener = _wire.Listener(
+            self._hub, host, context, secret, self._on_call, self._segments
+        )
 
     def _on_call(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
         try:
@@ -242,9 +273,12 @@ class DaskRpcAgent(RpcAgent):
         what = "a call that cannot be unpickled"
         try:
             fn, args, kwargs = _wire.loads(frames)
-            del frames
+            frames.clear()  # (the pool's work item holds the list until this returns)
             what = _name(fn)
             result = run_callee(fn, args, kwargs)
+            # Let go of the arguments before replying: the release of the
+            # shared memory they came in then goes ahead of the reply.
+            del fn, args, kwargs
         except BaseException as exc:
             _raised(what, connection, exc)
             _reply_error(connection, call_id, exc)
@@ -281,6 +315,8 @@ class DaskRpcAgent(RpcAgent):
         if thread is not None:
             thread.join(5)
         self._hub.close()
+        if self._segments is not None:
+            self._segments.close()  # (the mappings of other peers stay valid)
         self._settler.close()
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:

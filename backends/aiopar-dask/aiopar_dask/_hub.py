@@ -68,6 +68,16 @@ class Hub:
             self._wake_out.send(b"\0")
         return True
 
+    def call_soon_unlocked(self, fn: Callable[..., object], *args: Any) -> None:
+        """:meth:`call_soon` without taking a lock, for a caller that may hold
+        any lock already: a finalizer, which runs wherever the last reference
+        goes. Nothing runs if the hub has not started or is closed."""
+        if self._thread is None or self._closed:
+            return
+        self._calls.append((fn, args))  # (a deque's append needs no lock)
+        with contextlib.suppress(OSError):  # closed meanwhile, or a wake-up is pending
+            self._wake_out.send(b"\0")
+
     def add(self, target: Pollable, deadline: float | None = None) -> bool:
         """Wait for ``target`` to be readable; call its ``on_late()`` at
         ``deadline`` (``time.monotonic()``) unless :meth:`punctual` first."""

@@ -51,6 +51,10 @@ def _rpc_port(worker: Peer) -> int:
     return worker.rpc_agent.port
 
 
+def _rpc_local(worker: Peer) -> str | None:
+    return worker.rpc_agent.local
+
+
 class Peer(TlsHttp, distributed.Worker):
     """A dask worker that is also an rpc peer, named ``name`` with id
     ``peer_id``: its rank, or a negative id for a peer without one.
@@ -79,6 +83,7 @@ class Peer(TlsHttp, distributed.Worker):
             "aiopar_joined": _Value(joined),
             "aiopar_token": _Value(self.rpc_token),
             "aiopar_rpc_port": _rpc_port,
+            "aiopar_rpc_local": _rpc_local,
         }
         kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)

@@ -17,7 +17,10 @@ gets its median:
   (cloudpickle, about 30 us a call here), as it does with dask;
 - rpc_async, 2,000 in flight: 2,000 no-op calls, then wait for all;
 - rpc_sync, 100 MB argument, against torch's rpc_sync of a 100 MB tensor
-  and dask's own transfer of the same array (the fork row's raw dask time);
+  and dask's own transfer of the same array (the fork row's raw dask time):
+  the two processes share memory (a Unix socket and a segment);
+- rpc_sync, 100 MB argument, over TCP: the same call as between peers of two
+  machines (this process does not look for the other's Unix socket);
 - rpc_sync of a no-op with TLS (``distributed.Security.temporary()``, when
   the cryptography package is installed), against torch's plain rpc_sync.
 
@@ -43,7 +46,7 @@ from typing import Any
 
 import distributed
 import numpy as np
-from aiopar_dask import DaskBackend
+from aiopar_dask import DaskBackend, _wire
 
 import aiopar
 from aiopar import rpc
@@ -127,10 +130,18 @@ def rpc_rows(rounds: int, array: np.ndarray) -> list[tuple[str, str, float]]:
         rounds,
     )
     rpc.shutdown()
+    local, _wire._connect_local = _wire._connect_local, lambda name, timeout: None
+    try:
+        rpc.init_rpc("worker0", world_size=2)
+        tcp = median_times({"array": lambda: rpc.rpc_sync("worker1", len, args=(array,))}, rounds)
+        rpc.shutdown()
+    finally:
+        _wire._connect_local = local
     rows = [
         ("rpc_sync, no-op", "aiopar", times["sync"] / seq),
         (f"rpc_async, {IN_FLIGHT:,} in flight", "aiopar", times["async"] / IN_FLIGHT),
         ("rpc_sync, 100 MB argument", "aiopar", times["array"]),
+        ("rpc_sync, 100 MB argument, TCP", "aiopar", tcp["array"]),
     ]
     try:
         tls = distributed.Security.temporary()  # needs the cryptography package
@@ -224,6 +235,10 @@ def main() -> None:
         "rpc_sync, 100 MB argument": [
             ("torch", "rpc_sync, 100 MB argument"),
             ("dask", "fork, 100 MB argument"),
+        ],
+        "rpc_sync, 100 MB argument, TCP": [
+            ("torch", "rpc_sync, 100 MB argument"),
+            ("aiopar", "rpc_sync, 100 MB argument"),
         ],
         "rpc_sync, no-op, TLS": [("torch", "rpc_sync, no-op"), ("aiopar", "rpc_sync, no-op")],
     }

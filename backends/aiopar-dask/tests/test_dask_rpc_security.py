@@ -41,6 +41,9 @@ CLUSTER = """
     def rpc_port():
         return distributed.get_worker().rpc_agent.port
 
+    def rpc_local():
+        return distributed.get_worker().rpc_agent.local
+
     scheduler = agent.cluster.scheduler
     health = None
     if security is not None:  # a client with the cluster's certificate gets the pages
@@ -53,6 +56,7 @@ CLUSTER = """
         "health": health,
         "worker0": agent.port,
         "worker1": rpc.rpc_sync("worker1", rpc_port),
+        "worker1_local": rpc.rpc_sync("worker1", rpc_local),
         "scheduler": agent.cluster.scheduler_address,
         "scheduler_http": scheduler.http_server.port,
         "worker0_http": agent._worker.http_server.port,
@@ -136,9 +140,16 @@ def cluster():
 def test_a_stranger_cannot_call_a_peer(cluster, tmp_path):
     ports = cluster("plain")
     marker = tmp_path / "ran"
-    reply = reply_to(call_message((pathlib.Path.touch, (marker,), {})), ports["worker1"])
-    assert reply == b""  # closed unread, no reply
+    message = call_message((pathlib.Path.touch, (marker,), {}))
+    assert reply_to(message, ports["worker1"]) == b""  # closed unread, no reply
     assert not marker.exists()
+    if ports["worker1_local"] is not None:  # the Unix socket for peers of this machine
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(30)
+            sock.connect("\0" + ports["worker1_local"])
+            sock.sendall(message)
+            assert _read_to_end(sock) == b""
+        assert not marker.exists()
 
 
 def test_a_stranger_that_says_nothing_is_dropped(cluster):

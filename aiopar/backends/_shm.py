@@ -1,6 +1,7 @@
-"""Shared memory for the process backend's wire: anonymous segments a process
-writes big buffers into, recycled once the receiver lets go, and the
-receiver's mapping of them.
+"""Shared memory for wires between processes of one machine (the process
+backend's, the rpc plugin's): anonymous segments a process writes big
+buffers into, recycled once the receiver lets go, and the receiver's
+mapping of them.
 
 A segment has no name, so nothing can be left behind in ``/dev/shm``: the
 kernel frees it once the last descriptor and mapping are gone, even if
@@ -157,8 +158,17 @@ def map_segment(
     fd: int, size: int, lengths: list[int], on_unmapped: Callable[[], None]
 ) -> list[memoryview]:
     """Map the segment ``fd`` (closing the descriptor) and return a view of each
-    buffer of ``lengths`` in it; ``on_unmapped`` once the last view is gone."""
+    buffer of ``lengths`` in it; ``on_unmapped`` once the last view is gone.
+
+    ValueError if the segment is shorter than ``size``: reading past its end
+    would kill the process (SIGBUS), not raise.
+    """
     try:
+        held = os.fstat(fd).st_size
+        if held < size:
+            raise ValueError(
+                f"a shared-memory segment of {held} bytes holds no {size}-byte message"
+            )
         mapping = _mmap(fd, size)
     finally:
         os.close(fd)
