@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["HAVE_MEMFD", "Filler", "Segment", "SegmentPool", "aligned", "map_segment"]
@@ -66,7 +66,7 @@ class SegmentPool:
         self._cache_bytes = cache_bytes
         self._next_id = 1
 
-    def write(self, placed: list[tuple[int, memoryview | Filler]], size: int) -> Segment:
+    def write(self, placed: Sequence[tuple[int, memoryview | Filler]], size: int) -> Segment:
         """A segment of ``size`` bytes or more holding each view at its offset
         (or, for a filler, whatever it writes into the memory from there)."""
         with self._lock:
