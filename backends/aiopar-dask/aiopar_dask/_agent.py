@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import distributed
 from distributed import SpecCluster
+from distributed.comm.addressing import get_address_host
 from distributed.worker import _worker_cvar as _worker_context
 
 import aiopar
@@ -215,7 +215,7 @@ class DaskRpcAgent(RpcAgent):
             self.peer(name)  # refreshes, or raises naming the peers
             found = self._lookup(name)
             assert found is not None
-        host = distributed.comm.get_address_host(found.address)
+        host = get_address_host(found.address)
         context = self._worker.connection_args.get("ssl_context")
         secret = self._worker.rpc_secret
         assert secret is not None  # set before the peer listens, and so before any call
@@ -321,7 +321,7 @@ class DaskRpcAgent(RpcAgent):
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
         """Run a coroutine on the worker's loop from another thread and return its result."""
-        loop = self._worker.loop.asyncio_loop
+        loop = self._worker.loop.asyncio_loop  # type: ignore[attr-defined]
         if _running_loop() is loop:
             coro.close()
             raise RuntimeError("a blocking rpc call was made on the peer's event loop thread")
@@ -439,7 +439,7 @@ async def close_peer(worker: Peer | None, cluster: SpecCluster | None) -> None:
     if worker is not None:
         await worker.close(reason="aiopar.rpc.shutdown")
     if cluster is not None:
-        await cluster.close()
+        await cluster.close()  # type: ignore[misc]
 
 
 async def polls(deadline: float | None) -> AsyncIterator[None]:

@@ -118,7 +118,7 @@ class DaskBackend(Backend):
             self._client = client
         self._settler = Settler("dask")
         # the aiopar future of every task not settled yet, by dask key
-        self._inflight: dict[str, tuple[distributed.Future, aiopar.Future[Any]]] = {}
+        self._inflight: dict[object, tuple[distributed.Future[Any], aiopar.Future[Any]]] = {}
         # Registers for shutdown at exit: only now that the backend is whole,
         # so a constructor that raised leaves nothing for exit to trip on.
         super().__init__()
@@ -133,7 +133,7 @@ class DaskBackend(Backend):
         if client is None:
             with self._lock:
                 if self._client is None:
-                    made = self._client_or_factory()  # type: ignore[operator]
+                    made = self._client_or_factory()  # type: ignore[operator, misc]
                     if not isinstance(made, Client):
                         raise TypeError(
                             f"the dask backend's client factory returned {made!r}, "
@@ -150,7 +150,8 @@ class DaskBackend(Backend):
 
     def __repr__(self) -> str:
         client = self._client
-        where = "not connected" if client is None else client.scheduler.address
+        scheduler = None if client is None else client.scheduler
+        where = "not connected" if scheduler is None else scheduler.address
         return f"<DaskBackend {where}>"
 
     # -- forking -------------------------------------------------------------
@@ -187,10 +188,12 @@ class DaskBackend(Backend):
         with self._lock:
             self._inflight[key] = (dask_future, future)
         future.add_done_callback(functools.partial(self._cancel_if_cancelled, dask_future))
-        client.loop.add_callback(self._track, dask_future, future, record)
+        loop = client.loop
+        assert loop is not None  # (a client that has started)
+        loop.add_callback(self._track, dask_future, future, record)
 
     async def _track(
-        self, dask_future: distributed.Future, future: aiopar.Future[Any], record: Any
+        self, dask_future: distributed.Future[Any], future: aiopar.Future[Any], record: Any
     ) -> None:
         """On the client's loop: fetch the result, then settle in the settler thread."""
         try:
@@ -212,11 +215,13 @@ class DaskBackend(Backend):
         self._settler.call(_settle, future, outcome)
 
     def _cancel_if_cancelled(
-        self, dask_future: distributed.Future, future: aiopar.Future[Any]
+        self, dask_future: distributed.Future[Any], future: aiopar.Future[Any]
     ) -> None:
         if future.cancelled():
             client = self.client
-            client.loop.add_callback(client.cancel, [dask_future], asynchronous=True)
+            loop = client.loop
+            assert loop is not None
+            loop.add_callback(client.cancel, [dask_future], asynchronous=True)
 
     # -- shutdown --------------------------------------------------------------
 
@@ -258,8 +263,9 @@ def _settle(future: aiopar.Future[Any], outcome: tuple[Any, BaseException | None
     Task.settle(future, outcome)
 
 
-def _translate(exc: BaseException, key: str) -> BaseException:
+def _translate(exc: BaseException, key: object) -> BaseException:
     """dask's exception for a task, as aiopar raises it."""
+    error: BaseException
     if isinstance(exc, KilledWorker):
         error = aiopar.BrokenWorkerError(
             f"the dask workers that ran task {key!r} died each time (dask gave up: {exc})"

@@ -71,10 +71,11 @@ def _peer_options(
 
 def _host_towards(address: str) -> str:
     """The local IP that reaches ``address``: 127.0.0.1 for a loopback scheduler."""
-    from distributed.comm import get_address_host
+    from distributed.comm.addressing import get_address_host
     from distributed.utils import get_ip
 
-    return get_ip(get_address_host(address))
+    ip: str = get_ip(get_address_host(address))
+    return ip
 
 
 class _Parts:
@@ -146,7 +147,8 @@ async def _start_peer(
 
 async def _registered(peer: Peer, name: str) -> Peer:
     try:
-        return await peer
+        started: Peer = await peer
+        return started
     except Exception as exc:
         if "name taken" in str(exc) or "name taken" in str(exc.__cause__):
             raise ValueError(
@@ -197,7 +199,9 @@ async def _start(
         await cluster
         address = cluster.scheduler_address
         # for peers that join it later (its own got the secret in their options)
-        await cluster.scheduler_comm.set_metadata(keys=[SECRET_KEY], value=secret.hex())
+        scheduler = cluster.scheduler_comm
+        assert scheduler is not None  # (the cluster has started)
+        await scheduler.set_metadata(keys=[SECRET_KEY], value=secret.hex())
     else:
         await check_scheduler(address, options.security, options.rpc_timeout)
     peer = await _start_peer(address, name, rank, True, options, parts, secret)
@@ -285,7 +289,7 @@ class _Engine:
         runner = _LoopThread()
         parts = _Parts()
         try:
-            agent = runner.run(_start(name, rank, world_size, options, parts))
+            agent: DaskRpcAgent = runner.run(_start(name, rank, world_size, options, parts))
         except BaseException:
             _undo(runner, parts)
             raise
@@ -314,7 +318,7 @@ class _Engine:
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _settle_once, why, signal.Signals(signum).name)
-            finished = asyncio.ensure_future(peer.finished())
+            finished = asyncio.ensure_future(peer.finished())  # type: ignore[no-untyped-call]
             await asyncio.wait([why, finished], return_when=asyncio.FIRST_COMPLETED)
             finished.cancel()
             reason = why.result() if why.done() else f"the scheduler at {scheduler} went away"

@@ -41,7 +41,7 @@ class FreshNanny(ProcessInterface):
     arguments, and its ``address`` is the nanny's once it has started."""
 
     def __init__(self, scheduler: str, name: object = None, **options: Any) -> None:
-        super().__init__(scheduler, name)
+        super().__init__(scheduler, name)  # type: ignore[no-untyped-call]
         self.scheduler = scheduler
         self.name = name
         self.options = options
@@ -75,7 +75,7 @@ class FreshNanny(ProcessInterface):
             await self.close()
             raise RuntimeError(f"the nanny of worker {self.name!r} did not start: {started[1]}")
         _, self.address, self.worker_address = started
-        await super().start()
+        await super().start()  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
         """Tell the nanny to stop its worker and exit; kill it (and what it
@@ -90,7 +90,7 @@ class FreshNanny(ProcessInterface):
             except TimeoutError:
                 _kill_tree(process.pid)
                 await process.wait()
-        await super().close()
+        await super().close()  # type: ignore[no-untyped-call]
 
 
 def _kill_tree(pid: int) -> None:

@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 import distributed
-from distributed.comm import Comm
+from distributed.comm.core import Comm
 from distributed.core import Status
 
 from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
@@ -91,7 +91,7 @@ class Peer(TlsHttp, distributed.Worker):
         self.rpc_agent = DaskRpcAgent(self, peer_id, rpc_timeout)
 
     async def start_unsafe(self) -> Peer:
-        await super().start_unsafe()
+        await super().start_unsafe()  # type: ignore[no-untyped-call]
         peer_id = self.rpc_agent.worker_info.id
         if peer_id >= 0:  # a rank: world_size counts it from now on, even once it has left
             await self.scheduler.set_metadata(keys=[JOINED_KEY, str(peer_id)], value=self.name)

@@ -547,7 +547,7 @@ class Connection:
         while True:
             if tls.incoming.pending or tls.session.pending():  # (else read() could only fail)
                 try:
-                    return tls.session.read(len(view), view)
+                    return tls.session.read(len(view), view)  # type: ignore[return-value]
                 except ssl.SSLWantReadError:  # a part of a record; or the handshake goes on
                     self._take_encrypted()  # the handshake's answers
                     self._write_soon()
