@@ -56,7 +56,7 @@ from typing import Any
 
 import cloudpickle
 
-from aiopar.backends import HAVE_MEMFD, SegmentPool, aligned, map_segment
+from aiopar.backends import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
 from aiopar.rpc import RRef
 
 from . import _handshake
@@ -271,7 +271,7 @@ class Connection:
                 self._send_released()
             self._enqueue(message)
 
-    def _share(self, views: list[memoryview], flags: list[int]) -> Any:
+    def _share(self, views: list[memoryview], flags: list[int]) -> Segment | None:
         """Copy the big buffers among ``views[1:]`` into one segment and flag
         them; the segment, or None if nothing goes in one."""
         if self._segments is None:
@@ -619,7 +619,7 @@ class _Outgoing:
         self,
         views: list[memoryview],
         abandoned: Callable[[], bool] | None,
-        segment: Any = None,
+        segment: Segment | None = None,
     ) -> None:
         # An empty frame (an array with a zero-length dimension) has nothing
         # to write, and a send that wrote 0 bytes of it would never end.
