@@ -13,6 +13,7 @@ from typing import Any
 from distributed import Security
 
 from ._nanny import FreshNanny
+from ._quiet import QuietWorker
 
 __all__ = ["LOOPBACK", "loopback_cluster_options", "protocol_for"]
 
@@ -39,6 +40,7 @@ def loopback_cluster_options(security: Security | None, processes: bool) -> dict
     else:
         # In one process the comms need no sockets at all.
         options["protocol"] = "inproc://"
+        options["worker_class"] = QuietWorker
         del options["host"]
     if security is not None:
         options["security"] = security

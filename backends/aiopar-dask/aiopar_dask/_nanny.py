@@ -29,6 +29,8 @@ from distributed.utils import silence_logging_cmgr
 
 from aiopar.backends import fresh_python
 
+from ._quiet import QuietWorker
+
 __all__ = ["FreshNanny"]
 
 # How long a nanny may take to stop its worker once told to, before it is killed.
@@ -38,13 +40,14 @@ CLOSE_TIMEOUT = 10.0
 class FreshNanny(ProcessInterface):
     """A :class:`distributed.Nanny` in a process of its own, for ``SpecCluster``
     (and ``LocalCluster(worker_class=FreshNanny)``): it takes the nanny's
-    arguments, and its ``address`` is the nanny's once it has started."""
+    arguments, and its ``address`` is the nanny's once it has started. Its
+    worker is a :class:`QuietWorker` unless ``worker_class`` names another."""
 
     def __init__(self, scheduler: str, name: object = None, **options: Any) -> None:
         super().__init__(scheduler, name)  # type: ignore[no-untyped-call]
         self.scheduler = scheduler
         self.name = name
-        self.options = options
+        self.options = {"worker_class": QuietWorker, **options}
         self.worker_address: str | None = None
         self.process: asyncio.subprocess.Process | None = None
         self._channel: socket.socket | None = None

@@ -28,6 +28,7 @@ from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 from . import _wire
 from ._agent import DaskRpcAgent
 from ._http import TlsHttp
+from ._quiet import QuietWorker
 
 __all__ = ["JOINED_KEY", "SECRET_KEY", "Peer"]
 
@@ -55,7 +56,7 @@ def _rpc_local(worker: Peer) -> str | None:
     return worker.rpc_agent.local
 
 
-class Peer(TlsHttp, distributed.Worker):
+class Peer(TlsHttp, QuietWorker):
     """A dask worker that is also an rpc peer, named ``name`` with id
     ``peer_id``: its rank, or a negative id for a peer without one.
 
