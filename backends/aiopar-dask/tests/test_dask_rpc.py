@@ -358,27 +358,37 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def still_owned(rref_ids: list[str]) -> int:
+    """How many of these values the owner still keeps."""
+    from aiopar.rpc import _rref
+
+    return sum(rref_id in _rref._owned for rref_id in rref_ids)
+
+
 @pytest.mark.timeout(240)  # 20,000 calls: slow on a busy machine
 def test_ten_thousand_rrefs_shared_with_a_third_peer_leave_the_owner_flat(peers):
     # Each RRef's value lives on worker1; a copy goes to worker2, which uses
     # it and drops it; then this peer drops its own. The owner counts the
     # copies across peers (torch's fork protocol) and frees every value.
-    def share(count: int) -> None:
+    # (The count is of this test's values: an earlier test's may go meanwhile.)
+    def share(count: int) -> list[str]:
+        rref_ids = []
         for _ in range(count):
             rref = rpc.remote("worker1", np.ones, args=(1024,))  # 8 KB on the owner
             assert rpc.rpc_sync("worker2", fetch_size, args=(rref,)) == 8192
+            rref_ids.append(rref._id)
+        return rref_ids
 
-    def settled() -> bool:
+    def kept(rref_ids: list[str]) -> int:
         # the peers tell owners with their next call: one from each
         rpc.rpc_sync("worker2", rpc.rpc_sync, args=("worker1", len, ((),)))
-        return rpc.rpc_sync("worker1", values_owned) == before
+        return rpc.rpc_sync("worker1", still_owned, args=(rref_ids,))
 
-    before = rpc.rpc_sync("worker1", values_owned)
-    share(500)  # the allocator's pools warm up
-    assert wait_until(settled, timeout=30)
+    warm_up = share(500)  # the allocator's pools warm up
+    assert wait_until(lambda: kept(warm_up) == 0, timeout=30), f"{kept(warm_up)} of 500 kept"
     start = rpc.rpc_sync("worker1", rss_mb)
-    share(10_000)  # 80 MB of values if the owner kept them
-    assert wait_until(settled, timeout=30)
+    shared = share(10_000)  # 80 MB of values if the owner kept them
+    assert wait_until(lambda: kept(shared) == 0, timeout=30), f"{kept(shared)} of 10,000 kept"
     assert rpc.rpc_sync("worker1", rss_mb) - start < 30
 
 
