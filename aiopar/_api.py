@@ -18,7 +18,7 @@ import anyio
 from . import _loop
 from ._config import current_backend
 from ._errors import CancelledError
-from ._future import FINISHED, Future, _warn_blocking_loop, check_timeout
+from ._future import CANCELLED, Future, _warn_blocking_loop, check_timeout, copy_outcome
 from ._interop import describe_type, not_a_future_message
 
 __all__ = [
@@ -91,22 +91,42 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
     Tasks that have not started run in the calling thread.
     """
     futures = _future_list(futs, "wait_all()")
+    del futs
+    failed = _first_failed(futures)
+    if failed is not None:
+        failure = futures[failed]
+        # A failure's traceback holds this frame: it keeps no future (see Future).
+        futures.clear()
+        try:
+            failure.value()  # raises: it failed or was cancelled
+        finally:
+            del failure
+    # value()'s common case inline: a batch of forks pays no call per value.
+    return [fut._result for fut in futures]
+
+
+def _first_failed(futures: list[Future[Any]]) -> int | None:
+    """Wait until all of ``futures`` are done, or one has failed or been
+    cancelled; return the index of the first of those in list order, or None.
+
+    Tasks that have not started run here. Their failures' tracebacks hold
+    this frame, so it keeps no future in a variable of its own."""
     if _loop.running_async_library() is not None and not all(fut.done() for fut in futures):
         _warn_blocking_loop()  # before it runs a task on the loop's thread
-    for fut in futures:
-        task = fut._task  # None once done
+    for index in range(len(futures)):
+        task = futures[index]._task  # None once done (and a task lets its future go)
         if task is not None and task.stealable:
             task.run()  # does nothing unless the task has not started
-        if fut._exception is not None:  # set only on a finished, failed future
-            fut.value()  # raises it
+        if futures[index]._exception is not None:  # set only on a finished, failed future
+            return index
     pending = [fut for fut in futures if not fut.done()]
     if pending:
-        _when_all(pending, None, fail_fast=True).wait()
-    # value()'s common case inline: a batch of forks pays no call per value.
-    return [
-        fut._result if fut._state == FINISHED and fut._exception is None else fut.value()
-        for fut in futures
-    ]
+        _when_all(pending, None, fail_fast=True)._block(None)
+        pending.clear()
+    for index in range(len(futures)):
+        if futures[index]._state == CANCELLED or futures[index]._exception is not None:
+            return index
+    return None
 
 
 def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Future[T]:
@@ -230,10 +250,10 @@ def wrap(obj: Any) -> Future[Any]:
         return obj
     adopted: Future[Any] = Future()
     if isinstance(obj, concurrent.futures.Future):
-        obj.add_done_callback(lambda src: _copy_outcome(src, adopted))
+        obj.add_done_callback(lambda src: copy_outcome(src, adopted))
         adopted.add_done_callback(lambda fut: fut.cancelled() and obj.cancel())
     elif asyncio.isfuture(obj):
-        obj.add_done_callback(lambda src: _copy_outcome(src, adopted))
+        obj.add_done_callback(lambda src: copy_outcome(src, adopted))
         loop = obj.get_loop()
         adopted.add_done_callback(
             lambda fut: fut.cancelled() and loop.call_soon_threadsafe(obj.cancel)
@@ -250,15 +270,6 @@ def wrap(obj: Any) -> Future[Any]:
             f"got {describe_type(obj)}; to run a function, use aiopar.fork(fn, *args)"
         )
     return adopted
-
-
-def _copy_outcome(source: Any, target: Future[Any]) -> None:
-    if source.cancelled():
-        target.cancel()
-    elif (exc := source.exception()) is not None:
-        target._settle(None, exc)
-    else:
-        target._settle(source.result(), None)
 
 
 class TaskGroup:

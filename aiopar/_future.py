@@ -3,6 +3,14 @@
 A future moves PENDING -> RUNNING -> FINISHED, or PENDING -> CANCELLED; a
 future a user creates with ``Future()`` stays PENDING until it is settled.
 Done means FINISHED or CANCELLED, and a done future never changes again.
+
+A failed future holds its exception, whose traceback holds every frame the
+exception passed through and, through ``f_back``, every frame above them,
+with the locals each had when it returned. A frame of aiopar's among them
+that still held the future (or the exception) would make a reference cycle,
+which keeps the failed call's locals (arrays, shared memory) until the
+garbage collector runs: such frames drop those names before they return,
+as CPython's ``concurrent.futures`` does (bpo-35930, gh-95169).
 """
 
 from __future__ import annotations
@@ -199,7 +207,10 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             exception = self._exception
             if exception is not None:
                 self._retrieve()
-                raise exception.with_traceback(self._result)
+                try:
+                    raise exception.with_traceback(self._result)
+                finally:
+                    del self, exception  # no cycle: see the module's docstring
             return self._result  # type: ignore[no-any-return]
         if state == CANCELLED:
             raise CancelledError(f"{self!r} was cancelled before its task started")
@@ -218,11 +229,17 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         if self._state == FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
-        return self.value()
+        try:
+            return self.value()
+        finally:
+            del self  # no cycle: see the module's docstring
 
     def result(self, timeout: float | None = None) -> T:
         """The :mod:`concurrent.futures` spelling of :meth:`wait`."""
-        return self.wait(timeout)
+        try:
+            return self.wait(timeout)
+        finally:
+            del self  # no cycle: see the module's docstring
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Block until done; return the task's exception, or None if it succeeded.
@@ -275,6 +292,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             finally:
                 local["steals"] = steals
             if self._state >= CANCELLED:
+                del self  # the task may have failed in this frame: no cycle (module docstring)
                 return True
         if task is not None and task.runs_on_this_thread():
             raise RuntimeError(
@@ -365,17 +383,11 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         if not callable(callback):
             raise TypeError(f"then() takes a callable, got {type(callback).__name__}")
         chained: Future[U] = Future()
-
-        def run_callback(fut: Future[T]) -> None:
-            try:
-                value = callback(fut)
-            except BaseException as exc:
-                chained._settle(None, exc)
-            else:
-                chained._settle(value, None)
-
-        self._add_callback(run_callback)
-        return chained
+        try:
+            self._add_callback(_Chain(callback, chained))
+            return chained
+        finally:
+            del chained  # the callback may have failed in this frame: no cycle (module docstring)
 
     # -- interop: asyncio and concurrent.futures code --------------------
     #
@@ -439,10 +451,34 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 f"catch it inside the task, or call fut.wait() outside a coroutine to get it "
                 f"as it is"
             ) from exc
+        finally:
+            del self  # no cycle: see the module's docstring
 
     def _until_done(self) -> _UntilDone:
         """An awaitable that waits for this future without raising its outcome."""
         return _UntilDone(self)
+
+
+class _Chain(Generic[T, U]):
+    """The done-callback of :meth:`Future.then`: settles ``chained`` with
+    ``callback(fut)``, and lets go of it (no cycle: see the module docstring)."""
+
+    __slots__ = ("callback", "chained")
+
+    def __init__(self, callback: Callable[[Future[T]], U], chained: Future[U]) -> None:
+        self.callback = callback
+        self.chained = chained
+
+    def __call__(self, fut: Future[T]) -> None:
+        chained = self.chained
+        del self.chained
+        try:
+            value = self.callback(fut)
+        except BaseException as exc:
+            chained._settle(None, exc)
+        else:
+            chained._settle(value, None)
+        del chained
 
 
 class _UntilDone:
@@ -454,6 +490,18 @@ class _UntilDone:
     def __await__(self) -> Generator[Any, None, None]:
         if not self._fut.done():
             yield from _loop.wait_on_loop(self._fut, cancel=False)
+
+
+def copy_outcome(source: Any, target: Future[Any]) -> None:
+    """Settle ``target`` as ``source`` (any done future) was settled, unless
+    it is done already. Nothing is raised, so no frame joins the traceback
+    of ``source``'s exception."""
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target._settle(None, exc)
+    else:
+        target._settle(source.result(), None)
 
 
 def check_timeout(timeout: float | None) -> float | None:

@@ -376,24 +376,28 @@ def start_coroutine(
     record = None if profiler is None else profiler.on_fork_coroutine(fn)
 
     async def run() -> None:
-        if not fut._claim():
-            return
+        nonlocal fut
         try:
-            if record is None:
-                result = await fn(*args, **kwargs)
-            else:
-                result = await record.run_in_steps(fn, args, kwargs)
-        except BaseException as exc:
-            if not _is_cancellation(exc) and not isinstance(exc, GeneratorExit):
-                fut._settle(None, exc)
+            if not fut._claim():
                 return
-            closed = isinstance(exc, GeneratorExit)
-            what = "was closed before it finished" if closed else "cancelled it"
-            error = CancelledError(f"the event loop running this coroutine {what}")
-            error.__cause__ = exc
-            fut._settle(None, error)
-            raise  # a task must not swallow its own cancellation
-        fut._settle(result, None)
+            try:
+                if record is None:
+                    result = await fn(*args, **kwargs)
+                else:
+                    result = await record.run_in_steps(fn, args, kwargs)
+            except BaseException as exc:
+                if not _is_cancellation(exc) and not isinstance(exc, GeneratorExit):
+                    fut._settle(None, exc)
+                    return
+                closed = isinstance(exc, GeneratorExit)
+                what = "was closed before it finished" if closed else "cancelled it"
+                error = CancelledError(f"the event loop running this coroutine {what}")
+                error.__cause__ = exc
+                fut._settle(None, error)
+                raise  # a task must not swallow its own cancellation
+            fut._settle(result, None)
+        finally:
+            fut = None  # a failure's traceback holds this frame: no cycle (see Future)
 
     library = running_async_library()
     if library == "asyncio":

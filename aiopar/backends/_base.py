@@ -81,6 +81,7 @@ class Task:
         future = self.claim()
         if future is not None:
             self.settle(future, self.call())
+            del future  # a failure's traceback holds this frame: no cycle (see Future)
 
     def claim(self) -> Future[Any] | None:
         """The future, now RUNNING, if this thread may run the task; else None."""
@@ -108,7 +109,10 @@ class Task:
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
         if record is not None:
             record.on_end()
-        return outcome
+        try:
+            return outcome
+        finally:
+            del outcome  # a failure's traceback holds this frame: no cycle (see Future)
 
     @staticmethod
     def settle(future: Future[Any], outcome: tuple[Any, BaseException | None]) -> None:

@@ -65,6 +65,7 @@ class _BudgetedTask(Task):
         occupancy = _budget_slots.hook
         if occupancy is None:  # no BLAS or OpenMP library: nothing to count
             self.settle(future, self.call())
+            del future  # no cycle, as below
             return
         forker, self.forker = self.forker, None
         reserved, self.reserved = self.reserved, False
@@ -78,6 +79,7 @@ class _BudgetedTask(Task):
             # the right count, unless a worker goes on to a queued task.
             slot.task_ended(forker, linger=bool(pool._tasks) or any(pool._queues))
         self.settle(future, outcome)
+        del future, outcome  # a failure's traceback holds this frame: no cycle (see Future)
 
     def release_budget(self) -> None:
         """If the task was cancelled, give back what it holds in the budget;

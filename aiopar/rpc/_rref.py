@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .._future import Future
+from .._future import Future, copy_outcome
 from . import agent as _agent
 from .agent import WorkerInfo, run_callee
 from .functions import async_execution
@@ -95,15 +95,6 @@ def _slot(rref_id: str, known: bool = False) -> Future[Any]:
         return slot
 
 
-def _settle_from(source: Future[Any], target: Future[Any]) -> None:
-    try:
-        value = source.value()
-    except BaseException as exc:
-        target.set_exception(exc)
-    else:
-        target.set_result(value)
-
-
 def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
     """Settle ``target`` with what callee ``fn`` gives (for a Future: once it is done)."""
     try:
@@ -112,7 +103,7 @@ def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: An
         target.set_exception(exc)
         return
     if isinstance(result, Future):
-        result.add_done_callback(lambda done: _settle_from(done, target))
+        result.add_done_callback(lambda done: copy_outcome(done, target))
     else:
         target.set_result(result)
 

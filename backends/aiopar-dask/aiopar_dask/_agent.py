@@ -402,13 +402,17 @@ def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException)
 def _reply_future(
     what: str, connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]
 ) -> None:
-    try:
-        value = done.value()
-    except BaseException as exc:
-        _raised(what, connection, exc)
-        _reply_error(connection, call_id, exc)
+    # Read without raising: a raise here would add this frame, which holds
+    # ``done``, to the traceback of its exception (a reference cycle).
+    if done.cancelled():
+        error: BaseException | None = aiopar.CancelledError(f"{done!r} was cancelled")
     else:
-        _reply_value(connection, call_id, value)
+        error = done.exception()
+    if error is None:
+        _reply_value(connection, call_id, done.value())
+    else:
+        _raised(what, connection, error)
+        _reply_error(connection, call_id, error)
 
 
 def _raised(what: str, connection: _wire.Connection, exc: BaseException) -> None:

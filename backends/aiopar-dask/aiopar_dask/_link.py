@@ -25,7 +25,7 @@ from . import _errors, _wire
 if TYPE_CHECKING:
     from ._agent import DaskRpcAgent
 
-__all__ = ["Link", "Timeouts", "fail", "settle_reply"]
+__all__ = ["Link", "Reply", "Timeouts", "fail", "read_reply", "settle_reply"]
 
 _TICK = 0.05  # timeouts are checked this often
 
@@ -77,9 +77,15 @@ class Link:
 
     def _on_reply(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
         """In the hub's thread: whatever a reply holds settles that reply's call only."""
+        # Read before the call's future is at hand: a remote traceback is made
+        # of frames whose callers are this stack, so no frame of it may hold
+        # the future (a reference cycle: see aiopar's Future).
+        self._settle(call_id, read_reply(kind, frames))
+
+    def _settle(self, call_id: int, reply: Reply) -> None:
         entry = self.pop(call_id)
         if entry is not None:  # else it timed out already
-            settle_reply(entry[0], kind, frames, entry[1], self.name)
+            settle_reply(entry[0], reply, entry[1], self.name)
 
     def fail_all(self, exc: BaseException) -> None:
         """The connection broke: every pending call fails, naming the peer."""
@@ -179,24 +185,36 @@ class Timeouts:
             return self._thread
 
 
-def settle_reply(future: aiopar.Future[Any], kind: int, frames: Any, what: str, peer: str) -> None:
-    """Unpickle a reply and settle its future, whatever unpickling raises."""
+# A reply, read: (its value, the exception it carries, what unpickling it raised).
+Reply = tuple[Any, BaseException | None, BaseException | None]
+
+
+def read_reply(kind: int, frames: Any) -> Reply:
+    """Unpickle a reply; never raises."""
     try:
         payload = _wire.loads(frames)
-        exc = None if kind == _wire.VALUE else _errors.unpack(payload)
+        if kind == _wire.VALUE:
+            return payload, None, None
+        return None, _errors.unpack(payload), None
     except BaseException as cause:  # SystemExit too: it came from the reply, not this process
-        error = TypeError(
+        return None, None, cause
+
+
+def settle_reply(future: aiopar.Future[Any], reply: Reply, what: str, peer: str) -> None:
+    """Settle a call's future with its reply (see :func:`read_reply`)."""
+    value, exc, cause = reply
+    if cause is not None:
+        exc = TypeError(
             f"the result of {what} came back from rpc peer {peer!r} but cannot be unpickled "
             f"here ({type(cause).__name__}: {cause}); is its class importable in this process?"
         )
-        error.__cause__ = cause
-        fail(future, error)
-        return
-    if exc is None:
+        exc.__cause__ = cause
+    elif exc is None:
         with contextlib.suppress(aiopar.InvalidStateError):  # cancelled meanwhile
-            future.set_result(payload)
+            future.set_result(value)
         return
-    exc.add_note(f"(raised by {what} on rpc peer {peer!r})")
+    else:
+        exc.add_note(f"(raised by {what} on rpc peer {peer!r})")
     fail(future, exc)
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 import threading
 import time
 import traceback
+import weakref
 
 import distributed
 import numpy as np
@@ -219,6 +222,58 @@ def test_the_callee_logs_a_failed_call_at_debug_level_naming_the_caller(peers, t
         "DEBUG fail_later(), called by rpc peer 'worker0', raised ValueError",
     ], lines
     assert any("inner_helper" in line for line in lines)  # with their tracebacks
+
+
+def _freed_without_the_garbage_collector(use_and_drop) -> bool:
+    """Whether the failed future ``use_and_drop(box)`` takes out of a box is
+    gone once it returns, the garbage collector off: no reference cycle."""
+    box = [rpc.rpc_async("worker2", fail_deep)]
+    assert isinstance(box[0].exception(timeout=30), ValueError)
+    gone = weakref.ref(box[0])
+    gc.collect()
+    gc.disable()
+    try:
+        use_and_drop(box)
+        return gone() is None
+    finally:
+        gc.enable()
+
+
+def _wait_and_catch(box) -> None:
+    with contextlib.suppress(ValueError):
+        box.pop().wait()
+
+
+def test_a_failed_call_leaves_no_reference_cycle(peers):
+    # The exception's frames stay only as long as the caller keeps the future.
+    assert _freed_without_the_garbage_collector(_wait_and_catch)
+    assert _freed_without_the_garbage_collector(lambda box: box.pop().exception())
+
+
+def test_replying_with_a_failed_future_leaves_no_reference_cycle():
+    # An async_execution call's future, read on the callee to reply: reading
+    # it raised the exception in a frame that held the future.
+    from aiopar_dask import _agent
+
+    class Connection:
+        peer_name = "worker0"
+
+        def send(self, *frames, wait):
+            pass
+
+    def failed() -> aiopar.Future[None]:
+        return aiopar.fork(fail_deep)  # (this frame holds no future while it fails)
+
+    box = [failed()]
+    assert box[0].exception(timeout=30) is not None
+    gone = weakref.ref(box[0])
+    gc.collect()
+    gc.disable()
+    try:
+        _agent._reply_future("fail_deep()", Connection(), 1, box.pop())
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_call_times_out(peers):
