@@ -13,6 +13,7 @@ import gc
 import pickle
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -78,9 +79,12 @@ class FakeAgent(RpcAgent):
 
 
 def _copy(source: aiopar.Future[Any], target: aiopar.Future[Any]) -> None:
-    try:
+    # Read without raising, as a real agent's reply does (a raise would put
+    # this frame, which holds the source, in its exception's traceback).
+    exc = source.exception()
+    if exc is None:
         target.set_result(source.value())
-    except BaseException as exc:
+    else:
         target.set_exception(exc)
 
 
@@ -393,6 +397,31 @@ def test_rref_creation_failures_surface_at_to_here(fake):
         rref.to_here()
     with pytest.raises(KeyError, match="on purpose"):
         rref.rpc_sync().anything()
+
+
+def test_a_value_whose_creation_failed_leaves_no_cycle_on_its_owner(fake):
+    # The owner's future of the value holds the exception, whose traceback
+    # holds the frames that ran the creating call: none of them may hold
+    # that future, or it outlives its last RRef until the garbage collector runs.
+    from aiopar.rpc import _rref
+
+    box = [rpc.remote("other", fail)]
+    created = box[0]._created
+    assert created is not None
+    created.wait(10)
+    value = weakref.ref(_rref._owned[box[0]._id])
+    assert isinstance(value().exception(), KeyError)
+    gc.collect()
+    gc.disable()
+    try:
+        box.clear()
+        rpc.rpc_sync("other", add, args=(1,))  # tells the owner the RRef is gone
+        deadline = time.monotonic() + 5
+        while value() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert value() is None
+    finally:
+        gc.enable()
 
 
 def test_a_local_rref(fake):

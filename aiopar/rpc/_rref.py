@@ -101,6 +101,7 @@ def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: An
         result = run_callee(fn, args, kwargs)
     except BaseException as exc:
         target.set_exception(exc)
+        del target  # the traceback holds this frame: no cycle (see aiopar's Future)
         return
     if isinstance(result, Future):
         result.add_done_callback(lambda done: copy_outcome(done, target))
@@ -109,15 +110,22 @@ def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: An
 
 
 def _create(rref_id: str, fork_id: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    # (no variable of this frame holds the value's future while fn runs)
+    _run_into(_value_slot(rref_id, fork_id), fn, args, kwargs)
+
+
+def _value_slot(rref_id: str, fork_id: str) -> Future[Any]:
+    """The future the creating call settles: the value's, unless every fork
+    is gone already (then one that nothing keeps)."""
     with _owned_lock:
         _announce(rref_id, fork_id)
         if rref_id in _forks:
             found = _owned.get(rref_id)  # a fetch may have come first
-            target = _owned[rref_id] = Future() if found is None else found
+            slot = _owned[rref_id] = Future() if found is None else found
         else:  # every fork is gone already: run fn, keep nothing
-            target = Future()
-            target.add_done_callback(_ignore_outcome)
-    _run_into(target, fn, args, kwargs)
+            slot = Future()
+            slot.add_done_callback(_ignore_outcome)
+        return slot
 
 
 @async_execution
