@@ -109,22 +109,27 @@ def _first_failed(futures: list[Future[Any]]) -> int | None:
     """Wait until all of ``futures`` are done, or one has failed or been
     cancelled; return the index of the first of those in list order, or None.
 
-    Tasks that have not started run here. Their failures' tracebacks hold
-    this frame, so it keeps no future in a variable of its own."""
+    Tasks that have not started run here, so their failures' tracebacks hold
+    this frame: it lets go of the failed future before it returns."""
     if _loop.running_async_library() is not None and not all(fut.done() for fut in futures):
         _warn_blocking_loop()  # before it runs a task on the loop's thread
-    for index in range(len(futures)):
-        task = futures[index]._task  # None once done (and a task lets its future go)
+    for fut in futures:
+        task = fut._task  # None once done
         if task is not None and task.stealable:
             task.run()  # does nothing unless the task has not started
-        if futures[index]._exception is not None:  # set only on a finished, failed future
+        if fut._exception is not None or fut._state == CANCELLED:
+            index = futures.index(fut)
+            del fut
             return index
     pending = [fut for fut in futures if not fut.done()]
-    if pending:
-        _when_all(pending, None, fail_fast=True)._block(None)
-        pending.clear()
-    for index in range(len(futures)):
-        if futures[index]._state == CANCELLED or futures[index]._exception is not None:
+    if not pending:
+        return None
+    _when_all(pending, None, fail_fast=True)._block(None)
+    pending.clear()
+    for fut in futures:
+        if fut._exception is not None or fut._state == CANCELLED:
+            index = futures.index(fut)
+            del fut
             return index
     return None
 
