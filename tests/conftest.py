@@ -1,8 +1,10 @@
 """Shared fixtures: every async test runs on asyncio, uvloop and trio; the
-thread budget is put back after the tests that change it."""
+thread budget is put back after the tests that change it; the garbage
+collector is off for tests of reference cycles."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -20,6 +22,15 @@ ASYNC_BACKENDS = [
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     """Used by ``@pytest.mark.anyio`` tests: asyncio, uvloop and trio."""
     return request.param
+
+
+@pytest.fixture
+def gc_off():
+    """The garbage collector off during the test: what a reference cycle holds stays."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture

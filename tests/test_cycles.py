@@ -15,22 +15,14 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import aiopar
 
-
-@pytest.fixture(autouse=True)
-def no_garbage_collector() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+pytestmark = pytest.mark.usefixtures("gc_off")
 
 
 class Payload:
