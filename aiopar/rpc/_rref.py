@@ -138,17 +138,36 @@ def _call_method(
     rref_id: str, name: str, args: Any, kwargs: Any, known: bool = False
 ) -> Future[Any]:
     result: Future[Any] = Future()
+    _slot(rref_id, known).add_done_callback(_MethodCall(result, name, args, kwargs))
+    try:
+        return result
+    finally:
+        del result  # the method may have failed in this frame: no cycle (see aiopar's Future)
 
-    def call(value: Future[Any]) -> None:
-        try:
-            method = getattr(value.value(), name)
-        except BaseException as exc:
-            result.set_exception(exc)
+
+class _MethodCall:
+    """The done-callback of an owned value that a method call waits for: it
+    settles ``result`` with the method's outcome, and lets go of it (no
+    cycle: see aiopar's Future)."""
+
+    __slots__ = ("args", "kwargs", "name", "result")
+
+    def __init__(self, result: Future[Any], name: str, args: Any, kwargs: Any) -> None:
+        self.result, self.name, self.args, self.kwargs = result, name, args, kwargs
+
+    def __call__(self, value: Future[Any]) -> None:
+        result = self.result
+        del self.result
+        if value.cancelled() or value.exception() is not None:
+            copy_outcome(value, result)  # (without raising it here)
         else:
-            _run_into(result, method, args, kwargs)
-
-    _slot(rref_id, known).add_done_callback(call)
-    return result
+            try:
+                method = getattr(value.value(), self.name)
+            except BaseException as exc:
+                result.set_exception(exc)
+            else:
+                _run_into(result, method, self.args, self.kwargs)
+        del result
 
 
 def _apply(changes: list[tuple[bool, str, str]]) -> None:

@@ -305,21 +305,24 @@ def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     or a coroutine, or if any other function returns a Future (as torch).
     """
     result = fn(*args, **kwargs)
-    if inspect.iscoroutine(result):
-        return wrap(result)  # a coroutine function: awaited on aiopar's loop thread
-    if isinstance(result, Future) != is_async_execution(fn):
-        if isinstance(result, Future):
-            # torch fails such a call at once too: a Future is no value to send
+    try:
+        if inspect.iscoroutine(result):
+            return wrap(result)  # a coroutine function: awaited on aiopar's loop thread
+        if isinstance(result, Future) != is_async_execution(fn):
+            if isinstance(result, Future):
+                # torch fails such a call at once too: a Future is no value to send
+                raise TypeError(
+                    f"{_name(fn)} returned an aiopar.Future: decorate it with "
+                    f"@rpc.functions.async_execution for its caller to get the Future's "
+                    f"value once it is done, or return the value itself"
+                )
             raise TypeError(
-                f"{_name(fn)} returned an aiopar.Future: decorate it with "
-                f"@rpc.functions.async_execution for its caller to get the Future's "
-                f"value once it is done, or return the value itself"
+                f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
+                f"return an aiopar.Future, but it returned {type(result).__name__}"
             )
-        raise TypeError(
-            f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
-            f"return an aiopar.Future, but it returned {type(result).__name__}"
-        )
-    return result
+        return result
+    finally:
+        del result  # a Future that failed inside fn holds this frame: no cycle (see Future)
 
 
 def is_async_execution(fn: Callable[..., Any]) -> bool:

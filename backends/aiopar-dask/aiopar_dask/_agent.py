@@ -290,6 +290,8 @@ class DaskRpcAgent(RpcAgent):
             result.add_done_callback(lambda done: _reply_future(what, connection, call_id, done))
         else:
             _reply_value(connection, call_id, result)
+        # A future that failed inside fn holds this frame: no cycle (see aiopar's Future).
+        del result
 
     # -- lifecycle --------------------------------------------------------------------------
 

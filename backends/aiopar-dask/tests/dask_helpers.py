@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import distributed
@@ -133,6 +134,28 @@ def fail_deep():
         raise ValueError("failed on purpose")
 
     inner_helper()
+
+
+class TrackedFailure(Exception):
+    """An exception that counts itself in its process while it lives (a
+    built-in exception takes no weak reference)."""
+
+    alive: weakref.WeakSet[TrackedFailure] = weakref.WeakSet()
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        TrackedFailure.alive.add(self)
+
+
+class Faulty:
+    """An RRef's value whose method fails."""
+
+    def fail(self) -> None:
+        raise TrackedFailure("failed on purpose")
+
+
+def tracked_failures_alive() -> int:
+    return len(TrackedFailure.alive)
 
 
 @rpc.functions.async_execution

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import threading
 import time
@@ -15,11 +16,14 @@ import numpy as np
 import pytest
 from aiopar_dask import DaskBackend
 from dask_helpers import (
+    Faulty,
+    TrackedFailure,
     after_timer,
     descendant_pids,
     fail_deep,
     listening_addresses,
     log_debug_to,
+    tracked_failures_alive,
     wait_until,
 )
 from torch_rpc_helpers import AsyncExecutionClass  # torch's, used here too
@@ -243,6 +247,20 @@ def test_a_failed_call_leaves_no_reference_cycle(peers, gc_off):
     # The exception's frames stay only as long as the caller keeps the future.
     assert _freed_without_the_garbage_collector(_wait_and_catch)
     assert _freed_without_the_garbage_collector(lambda box: box.pop().exception())
+
+
+def test_a_method_that_fails_on_its_rref_owner_leaves_no_cycle_there(peers):
+    # The owner runs the method in the frames that settle its call's future:
+    # none may hold that future, or the failure stays until the collector runs.
+    rref = rpc.remote("worker1", Faulty)
+    rpc.rpc_sync("worker1", gc.disable)
+    try:
+        for call in (lambda: rref.rpc_sync().fail(), lambda: rref.rpc_async().fail().wait()):
+            with pytest.raises(TrackedFailure):
+                call()
+        assert wait_until(lambda: rpc.rpc_sync("worker1", tracked_failures_alive) == 0, 5)
+    finally:
+        rpc.rpc_sync("worker1", gc.enable)
 
 
 def test_replying_with_a_failed_future_leaves_no_reference_cycle(gc_off):
