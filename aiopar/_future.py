@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 
 import sniffio
 
-from . import _loop, _trace, _waiter
+from . import _interrupt, _loop, _trace, _waiter
 from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback
 from ._log import logger as _logger
@@ -159,7 +159,11 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def _claim(self) -> bool:
         """PENDING -> RUNNING; False if the task was cancelled or claimed already."""
         # Not "with": once per task, a with statement costs as much again as
-        # the lock itself (about 50 ns on CPython 3.11).
+        # the lock itself (about 50 ns on CPython 3.11). A Ctrl-C raised as
+        # acquire() returns leaves this one future's lock held, and the
+        # future with it (a Ctrl-C after the lock is let go strands its
+        # waiters as surely); the lock every fork and exit need, the pool's,
+        # is taken with "with" (backends/thread.py).
         lock = self._lock
         lock.acquire()
         try:
@@ -319,13 +323,13 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             if owner is not None:
                 owner.blocked()
             if owner is None or (timeout is not None and timeout <= blocked_long):
-                done = waiter.acquire(True, -1 if timeout is None else timeout)
+                done = _interrupt.acquire(waiter, timeout)
             else:
-                done = waiter.acquire(True, blocked_long)
+                done = _interrupt.acquire(waiter, blocked_long)
                 if not done:
                     owner.blocked_long()
-                    rest = -1 if timeout is None else timeout - blocked_long
-                    done = waiter.acquire(True, rest)
+                    rest = None if timeout is None else timeout - blocked_long
+                    done = _interrupt.acquire(waiter, rest)
         finally:
             if owner is not None:
                 owner.resumed()

@@ -10,6 +10,7 @@ loop run on a loop thread owned by aiopar (uvloop when it is installed).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -21,7 +22,7 @@ from typing import Any
 
 import sniffio
 
-from . import _trace, _waiter
+from . import _interrupt, _trace, _waiter
 from ._errors import CancelledError
 
 __all__ = [
@@ -257,7 +258,10 @@ class _OwnedLoop:
                         fork.future.cancel()  # only if it has not started
                 await asyncio.wait(list(forks))
 
-        asyncio.run_coroutine_threadsafe(drain(), self.loop).result()
+        drained = asyncio.run_coroutine_threadsafe(drain(), self.loop)
+        while not drained.done():  # in slices, so that Ctrl-C ends it (see _interrupt)
+            concurrent.futures.wait([drained], _interrupt.SLICE)
+        drained.result()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -17,6 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+from . import _interrupt
 from ._budget import budget
 from ._budget_slots import probe
 
@@ -72,7 +73,8 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
     * the call returns once every chunk has finished. If chunks raise, the
       chunks not yet started are skipped, the others run to their end, and
       the first exception raised is re-raised here, with a note naming its
-      chunk.
+      chunk. Ctrl-C is the exception: the call raises KeyboardInterrupt at
+      once, and the chunks other threads are running finish on their own.
 
     Raises TypeError for a non-integer bound or grain, or a non-callable
     ``fn``; ValueError for ``begin > end`` or ``grain_size < 1``.
@@ -113,8 +115,8 @@ def parallel_for(begin: int, end: int, grain_size: int, fn: Callable[[int, int],
         budget.add_running(n_threads)
         try:
             _pool.submit(job, n_threads - 1)
-            job.work()
-            job.finished.acquire()
+            job.work(caller=True)
+            _interrupt.acquire(job.finished)
         except BaseException as exc:  # e.g. KeyboardInterrupt while waiting
             job.fail(exc)
             raise
@@ -159,8 +161,10 @@ class _Job:
             if self.error is None:
                 self.error = exc
 
-    def work(self) -> None:
-        """Run unclaimed chunks until none is left."""
+    def work(self, *, caller: bool = False) -> None:
+        """Run unclaimed chunks until none is left. In the caller's thread,
+        Ctrl-C in a chunk ends the call at once, as it does while the caller
+        waits for the helpers' chunks."""
         budget.apply_here()  # OpenMP limits are per thread
         bounds = self.bounds
         while True:
@@ -176,6 +180,8 @@ class _Job:
                 except BaseException as exc:
                     exc.add_note(f"(raised by fn({b}, {e}), a chunk of parallel_for)")
                     self.fail(exc)
+                    if caller and isinstance(exc, KeyboardInterrupt):
+                        raise
             with self.lock:
                 self.unfinished -= 1
                 last = self.unfinished == 0

@@ -15,6 +15,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from .. import _interrupt
 from .._errors import BrokenWorkerError
 from ._process_handle import Job
 from ._process_outcomes import Settle, settle
@@ -77,7 +78,7 @@ def join(pool: ProcessBackend, timeout: float | None = None) -> bool:
     manager = pool._manager
     # A blocked callback may hand the manager's job to a new thread.
     while manager is not None and manager is not threading.current_thread():
-        manager.join(None if end is None else max(0.0, end - time.monotonic()))
+        _interrupt.join(manager, None if end is None else max(0.0, end - time.monotonic()))
         if manager.is_alive():
             return False
         if manager is pool._manager:

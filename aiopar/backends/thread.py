@@ -27,7 +27,7 @@ import threading
 import weakref
 from typing import Any, ClassVar
 
-from .. import _budget, _budget_slots
+from .. import _budget, _budget_slots, _interrupt
 from .._budget_slots import Slot, probe, use_slot
 from .._future import CANCELLED, Future
 from .._waiter import set_waiter
@@ -201,9 +201,11 @@ class ThreadBackend(Backend):
         worker: _Worker | None = _current.__dict__.get("worker")
         # Work-first: a task of this pool forks into its worker's own deque.
         queue = worker.forks if worker is not None and worker.pool is self else self._tasks
-        lock = self._lock
-        lock.acquire()  # not "with": it would cost as much as the lock, once per fork
-        try:
+        # "with", not acquire() then try as Future._claim has it: CPython
+        # raises a Ctrl-C as a call returns, so one raised as acquire()
+        # returned would leave the pool's lock held, and exit, which needs
+        # it, would hang; a with statement holds it only inside its block.
+        with self._lock:
             # A task of this pool may fork on it while it drains after shutdown.
             if self._closed and queue is self._tasks:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
@@ -228,8 +230,6 @@ class ThreadBackend(Backend):
                 counts = worker is None and self.forker_counts
                 task.forker, task.reserved = occupancy.forked(woken, counts), woken
             queue.append(task)
-        finally:
-            lock.release()
 
     def _wake_worker(self) -> bool:
         """Wake an idle worker, or start one if the pool is below its limit;
@@ -361,7 +361,7 @@ class ThreadBackend(Backend):
             self._draining += 1
             try:
                 while not self._is_quiet():
-                    self._quiet.wait()
+                    self._quiet.wait(_interrupt.SLICE)  # so that Ctrl-C ends it: see _interrupt
             finally:
                 self._draining -= 1
         return True
@@ -395,7 +395,7 @@ class ThreadBackend(Backend):
             me = threading.current_thread()
             for thread in threads:
                 if thread is not me:
-                    thread.join()
+                    _interrupt.join(thread)
 
 
 def _cancel(tasks: list[_BudgetedTask]) -> None:
