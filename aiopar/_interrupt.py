@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Protocol
 
-__all__ = ["SLICE", "acquire", "join"]
+__all__ = ["SLICE", "acquire", "join", "on_main_thread"]
 
 #: seconds a wait on the main thread blocks before it looks for a pending signal
 SLICE = 0.1
@@ -29,14 +29,15 @@ class _Lock(Protocol):
     def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
 
 
-def _on_main_thread() -> bool:
+def on_main_thread() -> bool:
+    """Whether the calling thread is the one that runs signal handlers."""
     return threading.current_thread() is threading.main_thread()
 
 
 def acquire(lock: _Lock, timeout: float | None = None) -> bool:
     """``lock.acquire(True, timeout)``, ``None`` meaning no limit, that a
     KeyboardInterrupt ends on the main thread; True if the lock was acquired."""
-    if not _on_main_thread():
+    if not on_main_thread():
         return lock.acquire(True, -1 if timeout is None else timeout)
     if timeout is None:
         while not lock.acquire(True, SLICE):
@@ -53,7 +54,7 @@ def acquire(lock: _Lock, timeout: float | None = None) -> bool:
 
 def join(thread: threading.Thread, timeout: float | None = None) -> None:
     """``thread.join(timeout)`` that a KeyboardInterrupt ends on the main thread."""
-    if not _on_main_thread():
+    if not on_main_thread():
         thread.join(timeout)
         return
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -28,6 +28,7 @@ from .. import _loop, _trace
 from .._budget import check_count
 from .._errors import CancelledError
 from .._future import Future
+from .._interrupt import on_main_thread
 from .._log import logger as _logger
 
 __all__ = ["Backend", "Task", "at_exit", "check_count"]
@@ -120,7 +121,7 @@ class Task:
         # collector breaks holds on to its result.
         future._task = None
         result, exception = outcome
-        if exception is not None and type(exception) is KeyboardInterrupt and _is_main_thread():
+        if exception is not None and type(exception) is KeyboardInterrupt and on_main_thread():
             # Ctrl-C landed while the main thread ran the task itself (a
             # waiter's steal, or the inline backend): it is the user's
             # interrupt, not the task's result.
@@ -130,10 +131,6 @@ class Task:
             future._retrieve()  # the interrupt itself goes on up: nothing is unread
             raise exception
         future._settle(result, exception)
-
-
-def _is_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:
