@@ -82,10 +82,10 @@ from typing import Any
 
 from . import _waiter
 from ._budget_libraries import limiting_thread, process_wide_getter, process_wide_setter
+from ._checks import check_count
 
 __all__ = [
     "budget",
-    "check_count",
     "cores",
     "get_num_interop_threads",
     "get_num_threads",
@@ -104,16 +104,6 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def check_count(n: object, what: str, *, minimum: int = 1, none: str | None = None) -> None:
-    """Refuse ``n`` unless it is a whole number >= ``minimum`` (or None, if
-    ``none`` says what None means)."""
-    if n is None and none is not None:
-        return
-    if not isinstance(n, int) or isinstance(n, bool) or n < minimum:
-        alternative = f" or None ({none})" if none is not None else ""
-        raise ValueError(f"{what} must be a whole number >= {minimum}{alternative}, got {n!r}")
 
 
 # -- interop ------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from process_helpers import add, eventually, exit_now, kill_self, segfault
 
 import aiopar
-from aiopar.backends import _fresh
+from aiopar import _fresh
 
 # The shared fixtures; nothing_left_behind checks every test (autouse).
 nothing_left_behind = process_helpers.nothing_left_behind

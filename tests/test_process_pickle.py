@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from aiopar.backends import _process_pickle as pickling
-from aiopar.backends._shm import SegmentPool
+from aiopar._shm import SegmentPool
 
 
 class Holder:

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from .._fresh import fresh_python
 from .._future import set_callback_runner
+from .._shm import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
 from .._waiter import Waiter, get_waiter, set_waiter
 from ._base import Backend, Task, at_exit, check_count
-from ._fresh import fresh_python
-from ._shm import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
 
 __all__ = [
     "HAVE_MEMFD",

@@ -25,7 +25,7 @@ from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, TypeVar
 
 from .. import _loop, _trace
-from .._budget import check_count
+from .._checks import check_count
 from .._errors import CancelledError
 from .._future import Future
 from .._interrupt import on_main_thread

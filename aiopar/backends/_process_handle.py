@@ -13,10 +13,10 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .._fresh import fresh_python
 from .._future import Future
 from . import _process_wire as wire
 from ._base import Task
-from ._fresh import fresh_python
 
 if TYPE_CHECKING:
     from .process import ProcessBackend

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ._shm import HAVE_MEMFD, Filler, Segment, SegmentPool, aligned
+from .._shm import HAVE_MEMFD, Filler, Segment, SegmentPool, aligned
 
 if TYPE_CHECKING:
     from ._process_wire import Frame

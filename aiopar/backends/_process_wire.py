@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._shm import SegmentPool, aligned, map_segment
 from ._process_pickle import LARGE_BUFFER, LARGE_PICKLE, Packed, load_call, pack, pack_call
-from ._shm import SegmentPool, aligned, map_segment
 
 __all__ = [
     "LARGE_BUFFER",

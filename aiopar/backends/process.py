@@ -68,10 +68,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _budget
+from .._fresh import importable
 from .._future import Future
 from . import _process_wire as wire
 from ._base import Backend, Task, check_count
-from ._fresh import importable
 from ._process_dispatch import PREFETCH_BUDGET_NS, dispatch
 from ._process_errors import RemoteError, RemoteTraceback, unpicklable_part
 from ._process_handle import Job, Worker

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .._budget import check_count
+from .._checks import check_count
 from .._future import Future
 from . import agent as _agent
 from ._rref import (

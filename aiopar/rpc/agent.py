@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from .._api import wrap
-from .._budget import check_count
+from .._checks import check_count
 from .._future import Future
 
 __all__ = [

@@ -26,7 +26,7 @@ __all__ = ["exit_with_parent", "fresh_python", "importable"]
 # argv: parent pid, "module:function", its arguments, "--", then sys.path.
 BOOT = (
     "import sys; i = sys.argv.index('--'); sys.path[:] = sys.argv[i + 1:]; "
-    "from aiopar.backends._fresh import _run; _run(sys.argv[1:i])"
+    "from aiopar._fresh import _run; _run(sys.argv[1:i])"
 )
 
 
