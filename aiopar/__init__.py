@@ -5,7 +5,17 @@ future can be waited on in a script (``wait``), awaited on asyncio, uvloop or
 trio, or chained with ``then``. Backends decide where the work runs.
 """
 
-from ._api import TaskGroup, as_completed, collect_all, fork, task_group, wait, wait_all, wrap
+from ._api import (
+    TaskGroup,
+    as_completed,
+    collect_all,
+    fork,
+    map,
+    task_group,
+    wait,
+    wait_all,
+    wrap,
+)
 from ._budget import (
     get_num_interop_threads,
     get_num_threads,
@@ -37,6 +47,7 @@ __all__ = [
     "get_num_interop_threads",
     "get_num_threads",
     "in_parallel_region",
+    "map",
     "num_threads",
     "parallel_for",
     "parallel_info",

@@ -26,6 +26,7 @@ __all__ = [
     "as_completed",
     "collect_all",
     "fork",
+    "map",
     "task_group",
     "wait",
     "wait_all",
@@ -51,6 +52,20 @@ def fork(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
     goes to ``fn``.
     """
     return current_backend().fork(fn, *args, **kwargs)
+
+
+def map(
+    fn: Callable[..., T], /, *iterables: Iterable[Any], chunksize: int | None = None
+) -> list[Future[T]]:
+    """Start ``fn(*args)`` for each ``args`` of ``zip(*iterables)`` on the
+    current backend and return one future per item at once, in order.
+
+    The cheap way to fork many small calls: items run in chunks, each one
+    task with one context (see :meth:`aiopar.Backend.map`, which does the
+    same on a named backend). An item's failure fails its own future only,
+    and a future cancelled before its chunk reaches it is skipped.
+    """
+    return current_backend().map(fn, *iterables, chunksize=chunksize)
 
 
 def wait(fut: Future[T], timeout: float | None = None) -> T:

@@ -186,3 +186,12 @@ def test_a_task_that_fails_in_its_waiters_thread_leaves_no_cycle(use):
         release.set()
         busy.wait()
     assert _all_gone([gone]), _holders(gone())
+
+
+@pytest.mark.parametrize("use", ["wait", "exception", "nothing"])
+def test_a_failed_item_of_map_leaves_no_cycle(use):
+    def failed_item() -> aiopar.Future[None]:
+        first, _ = aiopar.get_backend("thread").map(fail, [None, None], chunksize=2)
+        return first
+
+    assert_gone_with_its_future(failed_item, USES[use])

@@ -20,7 +20,7 @@ import sys
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, TypeVar
 
@@ -31,7 +31,7 @@ from .._future import Future
 from .._interrupt import on_main_thread
 from .._log import logger as _logger
 
-__all__ = ["Backend", "Task", "at_exit", "check_count"]
+__all__ = ["Backend", "Task", "at_exit", "check_count", "chunk_size"]
 
 T = TypeVar("T")
 
@@ -154,6 +154,61 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
+def chunk_size(items: int, workers: int) -> int:
+    """The items per chunk that :meth:`Backend.map` picks: four chunks per
+    worker, as :mod:`multiprocessing` picks them, so a slow chunk delays the
+    end by a quarter of a worker's share at most."""
+    return max(1, -(-items // (4 * workers)))
+
+
+class _Chunk:
+    """A chunk of :meth:`Backend.map`: calls ``fn`` on each item whose future
+    it can claim, and settles that future; any future it leaves undone (a
+    BaseException ended the chunk) is cancelled, so every future settles."""
+
+    def __init__(
+        self, fn: Callable[..., Any], items: list[tuple[Any, ...]], futures: list[Future[Any]]
+    ) -> None:
+        self.fn: Callable[..., Any] | None = fn
+        self.items = items
+        self.futures = futures
+        # The profiler and exit reports name the chunk after the function.
+        self.__qualname__ = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+    def cancel_if_cancelled(self, chunk_future: Future[None]) -> None:
+        """The chunk's task was cancelled (a shutdown, Ctrl-C, os.fork()): so
+        is every item's future."""
+        if chunk_future.cancelled():
+            for future in self.futures:
+                future.cancel()
+
+    def __call__(self) -> None:
+        fn, items, futures = self.fn, self.items, self.futures
+        # A failure's traceback holds this frame, and the frame its locals:
+        # neither keeps a future (see Future), nor the chunk, which holds them all.
+        self.fn, self.items, self.futures = None, [], []
+        del self
+        done = 0
+        try:
+            for args, future in zip(items, futures, strict=True):
+                done += 1
+                if not future._claim():
+                    continue  # cancelled before the chunk reached it
+                future._task = None
+                try:
+                    result = fn(*args)  # type: ignore[misc]
+                except BaseException as exc:
+                    Task.settle(future, (None, exc))
+                    del exc
+                else:
+                    future._settle(result, None)
+                del future
+        finally:
+            for future in futures[done:]:
+                future.cancel()
+            del fn, items, futures
+
+
 def raise_not_callable(fn: object, where: str) -> None:
     raise TypeError(
         f"{where} needs a callable as its first argument, got {type(fn).__name__} {fn!r:.60}; "
@@ -215,6 +270,57 @@ class Backend(ABC):
         future._task = task
         self.submit(task)
         return future
+
+    def map(
+        self, fn: Callable[..., T], /, *iterables: Iterable[Any], chunksize: int | None = None
+    ) -> list[Future[T]]:
+        """Start ``fn(*args)`` for each ``args`` of ``zip(*iterables)`` on this
+        backend and return their futures at once, in order.
+
+        The items run in chunks of ``chunksize`` (by default the item count
+        over four times :attr:`max_workers`, as :mod:`multiprocessing` picks
+        it): each chunk is one task with one :mod:`contextvars` context, so
+        many small calls cost far less than a fork each. An item's failure
+        fails its own future only; a future cancelled before its chunk
+        reaches it is skipped; a thread that waits on an item of a chunk that
+        has not started runs the whole chunk itself. A coroutine function
+        gets a fork per item. A backend that runs tasks out of process forks
+        each item, unless it overrides this method to send chunks whole.
+        """
+        if not callable(fn):
+            raise_not_callable(fn, f"{type(self).__name__}.map()")
+        if not iterables:
+            raise TypeError(
+                f"{type(self).__name__}.map() needs an iterable of arguments: map(fn, xs)"
+            )
+        check_count(chunksize, "map(chunksize=...)", none="picked from the items and workers")
+        items = list(zip(*iterables, strict=False))  # as map(): to the shortest
+        if not self.stealable or is_async_callable(fn):
+            return [self.fork(fn, *args) for args in items]
+        futures: list[Future[T]] = [Future() for _ in items]
+        size = chunksize or chunk_size(len(items), self.max_workers)
+        for start in range(0, len(items), size):
+            self.submit_chunk(fn, items[start : start + size], futures[start : start + size])
+        return futures
+
+    def submit_chunk(
+        self, fn: Callable[..., Any], items: list[tuple[Any, ...]], futures: list[Future[Any]]
+    ) -> None:
+        """Arrange for ``fn(*items[i])`` to settle ``futures[i]`` for each ``i``,
+        as one task of :attr:`task_class` that a waiter on any of the futures
+        may run (see :meth:`map`)."""
+        chunk = _Chunk(fn, items, futures)
+        chunk_future: Future[None] = Future()
+        chunk_future._add_callback(chunk.cancel_if_cancelled)
+        task = self.task_class(
+            chunk_future, chunk, (), _NO_KWARGS, contextvars.copy_context(), self
+        )
+        profiler = _trace.active
+        if profiler is not None:
+            task.record = profiler.on_fork(task)
+        for future in futures:
+            future._task = task
+        self.submit(task)
 
     @abstractmethod
     def submit(self, task: Task) -> None:
