@@ -4,9 +4,7 @@
     the thread budget, backends and BLAS libraries (:func:`aiopar.parallel_info`).
 ``aiopar demo``
     the LSTM ensemble of the TorchScript parallelism tutorial, sequential and
-    forked, in rounds for about 20 s: each variant's speed-up with its spread
-    over the rounds, a pair of rows at 1 BLAS thread each that isolates
-    inter-op parallelism, and a verdict read from those figures.
+    forked, in rounds (:mod:`aiopar._demo` runs and reports them).
 ``aiopar bench``
     runs the suites in ``benchmarks/`` and shows their tables.
 ``aiopar worker --scheduler ADDRESS --name NAME``
@@ -21,7 +19,6 @@ line on stderr and exit status 2, never a traceback. Each subcommand is one
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
@@ -30,9 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rich.console import Console
+from rich.table import Table
+
 import aiopar
 
-from . import profiler
+from . import _demo
 
 __all__ = ["main"]
 
@@ -141,9 +141,7 @@ def _writable_path(text: str) -> Path:
     return path
 
 
-def _console() -> Any:
-    from rich.console import Console
-
+def _console() -> Console:
     console = Console(highlight=False)
     if not console.is_terminal:
         # a file or pipe: keep table rows and sentences whole
@@ -169,32 +167,18 @@ def run_info(args: argparse.Namespace) -> int:
 
 # -- demo --------------------------------------------------------------------
 
-#: (seq_len, batch, input_size, hidden_size, models) of each size: the default
-#: is the tutorial's model at a quarter of its width (1/16 of its FLOPs)
-DEMO_SIZES = {
-    "default": (50, 50, 256, 256, 4),
-    "full": (50, 50, 1024, 1024, 4),  # the tutorial's sizes exactly
-    "quick": (10, 4, 8, 16, 2),  # a smoke test: its times mean little
-}
-#: seconds of timed rounds to aim for, after the warm-up run of every row;
-#: the number of rounds is what fits, within ROUNDS (--quick: QUICK_ROUNDS)
-ROUND_SECONDS = {"default": 15.0, "full": 40.0}
-ROUNDS = (3, 10)
-QUICK_ROUNDS, QUICK_PAUSE = 2, 0.01
-#: what the header promises: the rounds' budget plus the warm-up (one round),
-#: measured on 2 cores
-DURATION = {"default": "about 20 s", "full": "about a minute on 2 cores"}
-
 
 def _add_demo(commands: Any) -> None:
+    duration = _demo.DURATION
     demo = commands.add_parser(
         "demo",
-        help=f"run the tutorial's LSTM ensemble: sequential vs forked ({DURATION['default']})",
+        help=f"run the tutorial's LSTM ensemble: sequential vs forked ({duration['default']})",
         description="Run the LSTM ensemble of the TorchScript parallelism tutorial "
         "sequentially, with its directions forked and with its models forked, in rounds, "
-        "and show each variant's speed-up over the sequential run with its spread, the "
-        f"speed-up of forking alone (1 BLAS thread each), and a verdict. Takes "
-        f"{DURATION['default']}; --full runs the tutorial's sizes ({DURATION['full']}).",
+        "and show each variant's speed-up over the sequential run with its spread, wall "
+        "and CPU time, the speed-up of forking alone (1 BLAS thread each), and a verdict, "
+        f"or none if the machine was busy. Takes {duration['default']}; --full runs the "
+        f"tutorial's sizes ({duration['full']}).",
     )
     demo.add_argument(
         "--backend",
@@ -206,10 +190,13 @@ def _add_demo(commands: Any) -> None:
     )
     size = demo.add_mutually_exclusive_group()
     size.add_argument(
-        "--full", action="store_true", help=f"the tutorial's sizes (C = 1024): {DURATION['full']}"
+        "--full", action="store_true", help=f"the tutorial's sizes (C = 1024): {duration['full']}"
     )
-    size.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke test")
-    sizes = DEMO_SIZES["default"]
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"tiny sizes, {_demo.QUICK_ROUNDS} rounds: a smoke test ({duration['quick']})",
+    )
     for (flag, what), default in zip(
         (
             ("--seq-len", "time steps"),
@@ -218,16 +205,17 @@ def _add_demo(commands: Any) -> None:
             ("--hidden-size", "hidden units per direction"),
             ("--models", "models in the ensemble"),
         ),
-        sizes,
+        _demo.SIZES["default"],
         strict=True,
     ):
         demo.add_argument(flag, type=_positive_int, metavar="N", help=f"{what} (default {default})")
+    low, high = _demo.ROUNDS
     demo.add_argument(
         "--rounds",
         type=_positive_int,
         metavar="N",
         help=f"timed rounds of every row (default: as many as fit in about "
-        f"{ROUND_SECONDS['default']:.0f} s, {ROUNDS[0]} to {ROUNDS[1]})",
+        f"{_demo.ROUND_SECONDS['default']:.0f} s, {low} to {high})",
     )
     demo.add_argument(
         "--trace",
@@ -239,243 +227,14 @@ def _add_demo(commands: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from .nn import LSTMEnsemble
-    from .nn import _measure as m
-
     kind = "quick" if args.quick else "full" if args.full else "default"
     given = (args.seq_len, args.batch, args.input_size, args.hidden_size, args.models)
-    seq_len, batch, input_size, hidden, models = (
-        g or d for g, d in zip(given, DEMO_SIZES[kind], strict=True)
-    )
-    backends: list[str] = args.backend
-    cores = m.available_cores()
-    pause = QUICK_PAUSE if args.quick else m.spin_pause()
-    flops = m.ensemble_flops(models, seq_len, batch, input_size, hidden)
-
-    out = _console()
-    out.print(
-        f"[bold]aiopar demo[/]: the LSTM ensemble of the TorchScript parallelism tutorial, in "
-        f"numpy: {models} bidirectional LSTMs, input (T, B, C) = ({seq_len}, {batch}, "
-        f"{input_size}), hidden {hidden}; {_flop_text(flops)} a run; "
-        f"forks on {', '.join(backends)}; {cores} cores."
-    )
-    out.print(_demo_plan(kind, args.rounds, any(given)))
-
-    ens = LSTMEnsemble(models, input_size, hidden, seed=0)
-    x = np.random.default_rng(0).random((seq_len, batch, input_size), dtype=np.float32)
-    prof = None
-    with asyncio.Runner() as loop, _progress() as progress:
-        rows = _demo_rows(ens, x, backends, loop)
-        bar = progress.add_task("GEMM peak", total=None)
-        peak = m.gemm_peak()
-        # The warm-up starts threads and workers, gives every row's output
-        # for the check, and tells how long a round may take.
-        progress.update(bar, description="warm-up: one run of each row")
-        start = time.perf_counter()
-        outputs = []
-        for row in rows:
-            time.sleep(pause)
-            outputs.append(row.call()[0])
-        rounds = _run_rounds(
-            rows,
-            pause,
-            progress,
-            bar,
-            rounds=args.rounds or (QUICK_ROUNDS if args.quick else None),
-            seconds=ROUND_SECONDS.get(kind, 0.0),
-            warm_up=time.perf_counter() - start,
-        )
-        progress.update(bar, description="GEMM peak, again")
-        peaks = [peak, m.gemm_peak()]
-        peak = max(peaks)  # the machine may have calmed down
-        if args.trace is not None:
-            progress.update(bar, description="a traced models-forked run")
-            with profiler.profile() as prof:
-                m.ensemble_run(ens, x, "models forked", backend=backends[0])()
-
-    matches = [bool(np.allclose(o, outputs[0], rtol=1e-4, atol=1e-5)) for o in outputs]
-    out.print(_demo_table(rows, matches, rounds, flops, peak))
-    status = 0
-    if all(matches):
-        out.print("Every row's output matches the sequential run.")
-    else:
-        out.print("[bold red]Outputs differ from the sequential run (marked ✗).[/]")
-        status = 1
-    sequential, single, interop = rows[0], rows[-2], rows[-1]
-    forked = {row.name: row.speedup() for row in rows if row.anchor is sequential}
-    out.print(m.verdict(forked), style="bold")
-    blas = m.Spread.paired(single.times, sequential.times)
-    speedups = [s for s in (row.speedup() for row in rows) if s is not None]
-    of_peak = [flops / min(row.times) / peak for row in rows]
-    busy = m.busy_signs(speedups, cores, peaks, of_peak)
-    out.print(m.explain(interop.speedup(), blas, cores, tasks=2 * models, busy=busy))
-    if prof is not None:
-        try:
-            prof.export_chrome_trace(args.trace)
-        except OSError as exc:
-            raise UsageError(
-                f"aiopar demo: cannot write the trace to {str(args.trace)!r}: {exc}"
-            ) from None
-        out.print(prof.rich_table())
-        out.print(
-            f"Trace of a models-forked run on {backends[0]}: {args.trace} "
-            f"({len(prof.records)} tasks); open it in https://ui.perfetto.dev or chrome://tracing",
-            soft_wrap=True,
-        )
-    return status
-
-
-def _run_rounds(
-    rows: list[Any],
-    pause: float,
-    progress: Any,
-    bar: Any,
-    *,
-    rounds: int | None,
-    seconds: float,
-    warm_up: float,
-) -> int:
-    """Time rounds of `rows` and return how many ran: `rounds` if given, else as
-    many as fit in `seconds` (within ROUNDS), judged from the `warm_up` at first
-    and then from each round just timed, as the machine may be busy."""
-    from .nn._measure import timed_round
-
-    deadline = time.perf_counter() + seconds
-    planned = rounds or _rounds_left(0, warm_up, seconds)
-    done = 0
-    while done < planned:
-        progress.update(
-            bar, description=f"round {done + 1} of {planned}", total=planned * len(rows)
-        )
-        start = time.perf_counter()
-        for _ in timed_round(rows, pause):
-            progress.advance(bar)
-        done += 1
-        if rounds is None:
-            took, left = time.perf_counter() - start, deadline - time.perf_counter()
-            planned = _rounds_left(done, took, left)
-    return done
-
-
-def _demo_rows(ens: Any, x: Any, backends: list[str], loop: asyncio.Runner) -> list[Any]:
-    """The rows: sequential (the anchor), the forked variants on each backend,
-    then the inter-op pair, sequential (its anchor) and models forked, at 1
-    BLAS thread each, where only the forks can use more than one core."""
-    from .nn._measure import Row, ensemble_run
-
-    sequential = Row("sequential", ensemble_run(ens, x, "sequential"))
-    rows = [sequential]
-    for backend in backends:
-        on = f" on {backend}" if len(backends) > 1 else ""
-        for variant, runner, how in (
-            ("directions forked", None, ""),
-            ("models forked", None, ""),
-            ("models forked", loop, " (awaited)"),
-        ):
-            run = ensemble_run(ens, x, variant, backend=backend, runner=runner)
-            rows.append(Row(variant + on + how, run, anchor=sequential))
-    single = Row("sequential, 1 BLAS thread", ensemble_run(ens, x, "sequential"), blas_threads=1)
-    run = ensemble_run(ens, x, "models forked")
-    rows += [single, Row("models forked, 1 BLAS thread", run, anchor=single, blas_threads=1)]
-    return rows
-
-
-def _progress() -> Any:
-    """A progress bar on stderr that leaves no trace once done (nothing when not a terminal)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description:<30}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-
-
-def _rounds_left(done: int, round_seconds: float, seconds_left: float) -> int:
-    """How many rounds to run in all, `done` of them run, if one takes `round_seconds`
-    and the budget has `seconds_left`: as many as fit, within ROUNDS."""
-    low, high = ROUNDS
-    fit = done + int(max(seconds_left, 0.0) / max(round_seconds, 1e-9))
-    return max(done, low, min(high, fit))
-
-
-def _flop_text(flops: float) -> str:
-    return f"{flops / 1e9:.1f} GFLOP" if flops >= 1e8 else f"{flops / 1e6:.2f} MFLOP"
-
-
-def _demo_plan(kind: str, rounds: int | None, resized: bool) -> str:
-    """What the demo is about to do, and how long it takes."""
-    if kind == "quick":
-        return (
-            f"--quick: tiny sizes and {rounds or QUICK_ROUNDS} rounds, "
-            f"a smoke test whose times mean little."
-        )
-    if rounds:
-        what = f"{rounds} rounds"
-    else:
-        low, high = ROUNDS
-        what = f"rounds ({low} to {high}, as many as fit in about {ROUND_SECONDS[kind]:.0f} s)"
-    plan = f"one warm-up run of each row, then {what} of every row in turn"
-    if rounds or resized:
-        return f"Plan: {plan}; the progress bar shows the time left."
-    if kind == "full":
-        return f"The tutorial's sizes take {DURATION[kind]}: {plan}."
-    return f"Takes {DURATION[kind]}: {plan}. --full runs the tutorial's sizes ({DURATION['full']})."
-
-
-def _demo_table(
-    rows: list[Any], matches: list[bool], rounds: int, flops: float, peak: float
-) -> Any:
-    from rich import box
-    from rich.table import Table
-
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        caption=f"speed-up per round: the anchor's time / the row's (above 1x: faster); "
-        f"its median and range over {rounds} rounds. float32 GEMM peak: "
-        f"{peak / 1e9:.0f} GFLOP/s.",
-        caption_justify="left",
-    )
-    table.add_column("row", no_wrap=True)
-    table.add_column("best", justify="right")
-    table.add_column("speed-up", justify="right")
-    table.add_column("range", justify="right")
-    table.add_column("of peak", justify="right")
-    for row, ok in zip(rows, matches, strict=True):
-        if row.anchor is None and row is not rows[0]:
-            table.add_row("[dim italic]inter-op alone, on thread:[/]")
-        spread = row.speedup()
-        if spread is None:
-            speedup, spread_text = "[dim]anchor[/]", ""
-        else:
-            style = {"faster": "green", "slower": "red", "level": ""}[spread.outcome]
-            speedup = f"[{style}]{spread}[/]" if style else str(spread)
-            spread_text = spread.range
-        best = min(row.times)
-        table.add_row(
-            row.name + ("" if ok else " ✗"),
-            f"{best * 1e3:.1f} ms" if best < 1 else f"{best:.2f} s",
-            speedup,
-            spread_text,
-            f"{flops / best / peak:.0%}",
-        )
-    return table
+    sizes = _demo.Sizes(*(g or d for g, d in zip(given, _demo.SIZES[kind], strict=True)))
+    demo = _demo.Demo(kind, sizes, args.backend, args.rounds, args.trace, resized=any(given))
+    try:
+        return _demo.run(demo, _console())
+    except _demo.TraceError as exc:
+        raise UsageError(f"aiopar demo: {exc}") from None
 
 
 # -- bench -------------------------------------------------------------------
@@ -568,8 +327,6 @@ def _add_bench(commands: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     directory = _benchmarks_dir(args.dir)
     found = {p.stem: p for p in directory.glob("*.py") if not p.name.startswith("_")}
     order = _suite_order(found)

@@ -32,8 +32,7 @@ from rich.table import Table
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
-from aiopar.nn import LSTMEnsemble
-from aiopar.nn._measure import (
+from aiopar._demo import (
     VARIANTS,
     Row,
     Spread,
@@ -47,6 +46,7 @@ from aiopar.nn._measure import (
     timed_round,
     verdict,
 )
+from aiopar.nn import LSTMEnsemble
 
 # --quick: a token pause, the runs are tiny.
 QUICK_SPIN_PAUSE = 0.01

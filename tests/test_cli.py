@@ -13,14 +13,7 @@ from helpers import python
 
 import aiopar
 from aiopar import cli
-from aiopar.cli import (
-    DEMO_SIZES,
-    ROUND_SECONDS,
-    ROUNDS,
-    _demo_plan,
-    _rounds_left,
-    main,
-)
+from aiopar.cli import main
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -33,13 +26,17 @@ def test_demo_quick_in_a_subprocess():
     out = done.stdout
     for text in ("directions forked", "models forked", "models forked (awaited)", "speed-up"):
         assert text in out
+    assert "best" in out and "CPU" in out  # wall time, and CPU time beside it
     # the inter-op pair: sequential and forked at 1 BLAS thread each
     assert "sequential, 1 BLAS thread" in out and "models forked, 1 BLAS thread" in out
     assert "GEMM peak" in out
     assert "matches the sequential run" in out
-    verdicts = [line for line in out.splitlines() if line.startswith("Verdict: ")]
+    lines = out.splitlines()
+    verdicts = [line for line in lines if line.startswith(("Verdict: ", "No verdict: "))]
     assert len(verdicts) == 1
-    assert any(line.startswith("Why: ") for line in out.splitlines())
+    # a Why line follows a verdict; a busy machine gets neither
+    why = [line for line in lines if line.startswith("Why: ")]
+    assert len(why) == (0 if verdicts[0].startswith("No verdict") else 1)
     assert "Traceback" not in done.stderr
 
 
@@ -47,23 +44,6 @@ def test_demo_says_how_long_it_takes_before_it_starts(capsys):
     assert main(["demo", "--quick"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "--quick" in lines[1] and "2 rounds" in lines[1]
-    assert "about 20 s" in _demo_plan("default", None, resized=False)
-    assert "--full" in _demo_plan("default", None, resized=False)
-    assert "about a minute" in _demo_plan("full", None, resized=False)
-    assert "5 rounds" in _demo_plan("default", 5, resized=False)
-    assert "time left" in _demo_plan("default", None, resized=True)  # no promise it can't keep
-
-
-def test_full_runs_the_tutorials_sizes_and_the_default_fits_a_budget():
-    assert DEMO_SIZES["full"] == (50, 50, 1024, 1024, 4)  # T, B, C, hidden, models
-    budget = ROUND_SECONDS["default"]
-    assert _rounds_left(0, 1.5, budget) == int(budget / 1.5)
-    assert _rounds_left(0, 0.001, budget) == ROUNDS[1]
-    assert _rounds_left(0, 60.0, budget) == ROUNDS[0]  # a slow machine still gets a spread
-    # re-planned after each round: a busy machine stops at the budget, not before ROUNDS[0]
-    assert _rounds_left(4, 3.0, 2.0) == 4
-    assert _rounds_left(1, 3.0, -5.0) == ROUNDS[0]
-    assert _rounds_left(2, 1.0, 3.5) == 5
 
 
 def test_demo_quick_in_process(capsys):
@@ -150,6 +130,22 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("error: aiopar")
     assert message in lines[0]
+
+
+def test_a_trace_that_cannot_be_written_after_the_run_is_one_line_and_exit_2(
+    tmp_path, capsys, monkeypatch
+):
+    from aiopar.profiler import Profile
+
+    def no_space(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Profile, "export_chrome_trace", no_space)
+    assert main(["demo", "--quick", "--trace", str(tmp_path / "trace.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "error: aiopar demo: cannot write the trace to" in err
+    assert "No space left on device" in err
 
 
 def test_trace_path_that_is_a_directory(tmp_path, capsys):
