@@ -20,8 +20,14 @@ Every pool has two workers and is warmed up before it is timed. The task
 functions are defined in this script (``__main__``), as in a user's script:
 aiopar sends them by value (cloudpickle), ProcessPoolExecutor by reference
 (its workers are forked from this process). loky's row is skipped when it is
-not installed. The last column is each contender's time over aiopar's (above
-1: aiopar is faster), or aiopar's time in memcpys of the same size.
+not installed.
+
+Each row shows wall time and CPU time per task; CPU time is this process's
+(every thread) plus that of every worker process, so it counts the work a
+round trip costs wherever it runs, and holds steady on a busy machine where
+wall time does not. The last columns are each contender's time over
+aiopar's, wall and CPU (above 1: aiopar is faster), or aiopar's wall time
+in memcpys of the same size.
 
 Run: ``python benchmarks/process.py [--rounds 5] [--small 2000]``
 """
@@ -30,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import statistics
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
-from _timing import median_times
 
 import aiopar
 
@@ -83,6 +91,52 @@ def one_call(submit: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> 
     return run
 
 
+def child_pids() -> list[int]:
+    """This process's children (the pools' workers)."""
+    me, pids = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and f.read().rsplit(")", 1)[1].split()[1] == me:
+                    pids.append(int(entry))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds used so far by this process and by the processes ``pids``
+    (every thread of each; nanosecond counts from /proc/PID/task/TID/schedstat)."""
+    total = time.process_time()
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0]) / 1e9
+        except OSError:
+            continue  # gone meanwhile
+    return total
+
+
+def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each run, after one warm-up call each,
+    the runs taking turns round by round so drift on a shared machine hits
+    them all alike."""
+    for run in runs.values():
+        run()
+    pids = child_pids()
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    cpus: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            cpu = cpu_seconds(pids)
+            start = time.perf_counter()
+            run()
+            walls[name].append(time.perf_counter() - start)
+            cpus[name].append(cpu_seconds(pids) - cpu)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in runs}
+
+
 def closure_over(array: np.ndarray) -> Callable[[], float]:
     def first() -> float:
         return float(array[0])
@@ -117,17 +171,17 @@ def main() -> None:
         for fut in [submit(small, i) for i in range(4)]:
             fut.result()
 
-    rows: list[tuple[str, str, float]] = []  # (row, contender, seconds per task)
+    rows: list[tuple[str, str, float, float]] = []  # (row, contender, wall and CPU per task)
     # The small-task rows compare with the standard library only.
     small_submits = {name: submit for name, submit in submits.items() if name != "loky"}
-    for name, t in median_times(
+    for name, (wall, cpu) in median_times(
         {name: batched(submit, n) for name, submit in small_submits.items()}, rounds
     ).items():
-        rows.append(("small tasks, batched", name, t / n))
-    for name, t in median_times(
+        rows.append(("small tasks, batched", name, wall / n, cpu / n))
+    for name, (wall, cpu) in median_times(
         {name: sequential(submit, n // 2) for name, submit in small_submits.items()}, rounds
     ).items():
-        rows.append(("small tasks, sequential", name, t / (n // 2)))
+        rows.append(("small tasks, sequential", name, wall / (n // 2), cpu / (n // 2)))
     calls: list[tuple[str, dict[str, Callable[[], None]]]] = [
         (row, {name: one_call(submit, fn, arg) for name, submit in submits.items()})
         for row, fn, arg in [
@@ -148,27 +202,32 @@ def main() -> None:
     )
     calls.append(("100 MB array the function captures", captured))
     for row, runs in calls:
-        for name, t in median_times(runs, rounds).items():
-            rows.append((row, name, t))
-    memcpy = median_times({"memcpy": lambda: np.copyto(target, array)}, rounds)["memcpy"]
-    rows.append(("memcpy 100 MB (anchor)", "numpy.copyto", memcpy))
+        for name, (wall, cpu) in median_times(runs, rounds).items():
+            rows.append((row, name, wall, cpu))
+    memcpy, memcpy_cpu = median_times({"memcpy": lambda: np.copyto(target, array)}, rounds)[
+        "memcpy"
+    ]
+    rows.append(("memcpy 100 MB (anchor)", "numpy.copyto", memcpy, memcpy_cpu))
 
     backend.shutdown()
     for pool in pools.values():
         pool.shutdown()
 
-    print(f"{'row':36} {'contender':22} {'per task':>12} {'aiopar speed-up':>16}")
-    print("-" * 89)
-    ours = {row: t for row, name, t in rows if name == "aiopar"}
-    for row, name, seconds in rows:
-        per_task = f"{seconds * 1e6:9.1f} us" if seconds < 0.01 else f"{seconds * 1e3:9.1f} ms"
+    print(f"{'row':36} {'contender':20} {'wall':>10} {'CPU':>10}  aiopar speed-up (wall, CPU)")
+    print("-" * 108)
+    ours = {row: (wall, cpu) for row, name, wall, cpu in rows if name == "aiopar"}
+    for row, name, wall, cpu in rows:
         if row in ours and name != "aiopar":
-            ratio = f"{seconds / ours[row]:14.1f}x"
+            ratio = f"{wall / ours[row][0]:9.2f}x {cpu / ours[row][1]:6.2f}x"
         elif row.startswith("100 MB") and name == "aiopar":
-            ratio = f"{seconds / memcpy:9.1f} memcpy"
+            ratio = f"{wall / memcpy:9.1f} memcpy"
         else:
             ratio = ""
-        print(f"{row:36} {name:22} {per_task:>12} {ratio:>16}")
+        print(f"{row:36} {name:20} {_duration(wall)} {_duration(cpu)}  {ratio}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:7.1f} us" if seconds < 0.01 else f"{seconds * 1e3:7.1f} ms"
 
 
 if __name__ == "__main__":
