@@ -39,7 +39,6 @@ from process_helpers import (
 
 import aiopar
 from aiopar import _trace
-from aiopar.backends._process_dispatch import prefetch_depth
 from aiopar.backends.process import ProcessBackend, RemoteError, RemoteTraceback
 
 # The shared fixtures; nothing_left_behind checks every test (autouse).
@@ -85,7 +84,7 @@ def test_function_defined_in_main_travels_by_value(pool):
 
 def test_workers_start_lazily_and_are_reused(own_pool):
     backend = own_pool(2)
-    assert backend._workers == []
+    assert backend._pool.workers == []
     pids = {backend.fork(os.getpid).wait() for _ in range(20)}
     assert len(pids) <= 2
     assert os.getpid() not in pids
@@ -110,7 +109,7 @@ def test_large_arrays_round_trip_through_shared_memory(pool):
     # Segments are reused, not piled up.
     for _ in range(5):
         pool.fork(echo, a).wait()
-    segments = pool._segments
+    segments = pool._pool.segments
     assert len(segments._free) + len(segments._busy) <= 2
 
 
@@ -350,9 +349,9 @@ def test_an_unguarded_script_starts_its_workers_once(how, tmp_path):
 def test_prefetch_adapts_to_task_length(own_pool):
     backend = own_pool(1)
     aiopar.wait_all([backend.fork(add, i) for i in range(200)])
-    assert prefetch_depth(backend) > 4  # tiny tasks: several queued per worker
+    assert backend._pool.prefetch_depth() > 4  # tiny tasks: several queued per worker
     aiopar.wait_all([backend.fork(sleep_then, 0.01, i) for i in range(30)])
-    assert prefetch_depth(backend) == 1  # 10 ms tasks: one
+    assert backend._pool.prefetch_depth() == 1  # 10 ms tasks: one
 
 
 def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
@@ -360,7 +359,7 @@ def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
     aiopar.wait_all([backend.fork(add, i) for i in range(200)])
     doomed = backend.fork(sleep_then_die, 0.3)
     queued = [backend.fork(add, i, 1) for i in range(40)]
-    assert len(backend._workers[0].inflight) > 2  # prefetched behind the doomed task
+    assert len(backend._pool.workers[0].inflight) > 2  # prefetched behind the doomed task
     with pytest.raises(aiopar.BrokenWorkerError, match="SIGKILL"):
         doomed.wait(timeout=30)
     assert [f.wait(timeout=30) for f in queued] == [i + 1 for i in range(40)]
@@ -483,7 +482,7 @@ def test_shared_memory_goes_back_when_a_worker_dies_or_a_task_fails(own_pool):
     with pytest.raises(ValueError, match="on purpose"):
         backend.fork(_fail_holding, big).wait(timeout=30)
     assert backend.fork(np.sum, big).wait(timeout=30) == big.size
-    eventually(lambda: not backend._segments._busy)
+    eventually(lambda: not backend._pool.segments._busy)
 
 
 def _die_holding(a):

@@ -65,7 +65,7 @@ def test_an_idle_worker_that_dies_is_replaced(own_pool):
     backend = own_pool(1)
     pid = backend.fork(os.getpid).wait()
     os.kill(pid, signal.SIGKILL)
-    eventually(lambda: all(worker.pid != pid for worker in backend._workers))
+    eventually(lambda: all(worker.pid != pid for worker in backend._pool.workers))
     assert backend.fork(os.getpid).wait(timeout=30) != pid
 
 

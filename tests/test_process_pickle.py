@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiopar.backends import _process_pickle as pickling
 from aiopar._shm import SegmentPool
+from aiopar.backends import _process_pickle as pickling
 
 
 class Holder:

@@ -57,7 +57,7 @@ def test_shutdown_runs_what_was_queued(own_pool):
     futures = [backend.fork(sleep_then, 0.02, i) for i in range(6)]
     backend.shutdown(wait=True)
     assert [f.value() for f in futures] == list(range(6))
-    assert backend._workers == []
+    assert backend._pool.workers == []
     with pytest.raises(RuntimeError, match="shut down"):
         backend.fork(add, 1)
 
@@ -86,7 +86,7 @@ def test_shutdown_of_an_unused_backend():
     backend.shutdown()
     backend.shutdown()  # again: does nothing
     assert backend.closed
-    assert backend._workers == []
+    assert backend._pool.workers == []
     assert set(threading.enumerate()) <= threads_before  # no manager left behind
     with pytest.raises(RuntimeError, match="shut down"):
         backend.fork(add, 1)
@@ -127,7 +127,7 @@ def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
         print("stuck:", repr(stuck.exception()))
         print("prefetched:", repr(prefetched.exception()))
         print("queued cancelled:", queued.cancelled())
-        print("workers left:", len(backend._workers))
+        print("workers left:", len(backend._pool.workers))
         """,
     )
     assert done.returncode == 0, done.stderr
@@ -236,7 +236,7 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
             stuck = backend.fork(time.sleep, 3600)  # one worker busy, the other idle
             while not stuck.running():
                 time.sleep(0.01)
-            print(*[w.pid for w in backend._workers], flush=True)
+            print(*[w.pid for w in backend._pool.workers], flush=True)
             time.sleep(3600)
             """
         )
@@ -276,7 +276,7 @@ def test_a_forked_child_gets_a_fresh_pool(tmp_path):
 
         backend = aiopar.get_backend("process", max_workers=2)
         parent_workers = set(aiopar.wait_all([backend.fork(os.getpid) for _ in range(4)]))
-        inherited = {os.fstat(w.channel.fileno()).st_ino for w in backend._workers}
+        inherited = {os.fstat(w.channel.fileno()).st_ino for w in backend._pool.workers}
 
         def open_sockets():
             inodes = set()

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from aiopar._shm import SegmentPool, map_segment
 from aiopar.backends import _process_pickle as pickling
 from aiopar.backends import _process_wire as wire
 
@@ -18,7 +19,7 @@ from aiopar.backends import _process_wire as wire
 def channels():
     """Two ends of a wire, and the segment pool they send from."""
     left, right = socket.socketpair()
-    segments = wire.SegmentPool()
+    segments = SegmentPool()
     ends = [wire.Channel(sock, segments.release, lambda seg_id: None) for sock in (left, right)]
     yield *ends, segments
     for end in ends:
@@ -85,6 +86,6 @@ def test_a_segment_shorter_than_its_message_is_refused_not_mapped():
     fd = os.memfd_create("short")
     os.ftruncate(fd, 4096)
     with pytest.raises(ValueError, match="segment of 4096 bytes holds no 8192-byte message"):
-        wire.map_segment(fd, 8192, [8192], lambda: None)
+        map_segment(fd, 8192, [8192], lambda: None)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed all the same

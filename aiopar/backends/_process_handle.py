@@ -4,53 +4,83 @@ way to a worker, already pickled) and a worker process with its socket."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import selectors
+import signal
 import socket
 import subprocess
-import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from .._fresh import fresh_python
 from .._future import Future
+from .._shm import SegmentPool
 from . import _process_wire as wire
 from ._base import Task
+from ._process_pickle import Packed
 
-if TYPE_CHECKING:
-    from .process import ProcessBackend
+__all__ = ["Job", "Worker", "describe_exit"]
 
-__all__ = ["Job", "Worker", "pidfd_open", "unregister"]
+#: what a worker runs the forks made by its tasks on: never processes of its own
+NESTED_BACKEND = "thread"
+
+_job_ids = itertools.count(1)
 
 
 class Job:
+    """A task on its way to a worker, already pickled."""
+
     __slots__ = ("forks", "future", "id", "name", "packed", "task")
 
-    def __init__(self, task: Task, packed: wire.Packed, job_id: int) -> None:
+    def __init__(self, task: Task, packed: Packed) -> None:
         assert task.future is not None  # a task is submitted before it runs
         self.task = task
         self.future: Future[Any] = task.future
         self.name = task.name
         self.packed = packed
-        self.id = job_id
+        self.id = next(_job_ids)
         self.forks: Any = None  # for the profiler: what the task forked in its worker
         # The pickle is all that is needed now: let the arguments go even
-        # while the future (which refers to the task) is kept, and break the
-        # future <-> task cycle so a dropped result is freed at once (its
-        # shared memory then goes back to the worker without waiting for gc).
+        # while the future (which refers to the task) is kept.
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
-        task.future = None
+
+    def claim(self) -> bool:
+        """Whether the job is to be sent: its task just started, or it was
+        sent before to a worker that died before it began. False if it was
+        cancelled, and then its pickle is let go."""
+        if self.task.claim() is not None or self.future.running():
+            return True
+        self.packed.discard()
+        return False
 
 
 class Worker:
-    """The parent's handle on one worker process."""
+    """The parent's handle on one worker process.
 
-    def __init__(self, backend: ProcessBackend, index: int) -> None:
+    ``path`` is the ``sys.path`` it starts with (``path_version`` counts the
+    changes the pool saw); ``segments`` is where the segments it reports
+    released go back to; ``on_unmapped(worker, seg_id)`` is called, from any
+    thread, once this process no longer maps a segment the worker sent.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        path: list[str],
+        path_version: int,
+        segments: SegmentPool,
+        on_unmapped: Callable[[Worker, int], None],
+    ) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             command = fresh_python(
-                "aiopar.backends._process_worker:main", child_end.fileno(), path=backend._path
+                "aiopar.backends._process_worker:main",
+                child_end.fileno(),
+                NESTED_BACKEND,
+                path=path,
             )
             self.process = subprocess.Popen(
                 command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL
@@ -66,33 +96,48 @@ class Worker:
         self.stopping = False
         self.eof = False  # its socket has been read to the end
         self.inflight: deque[Job] = deque()  # sent, in the order the worker runs them
-        self.path_version = backend._path_version  # of the sys.path it has
+        self.path_version = path_version  # of the sys.path it has
         self.terminated: str | None = None  # why shutdown terminated it
         self.kill_at = math.inf  # when to kill it if it has not exited by then
-        backend_ref = weakref.ref(backend)
+        self.channel = wire.Channel(
+            parent_end, segments.release, lambda seg_id: on_unmapped(self, seg_id)
+        )
+        self.pidfd = _pidfd_open(self.pid)
 
-        def unmapped(seg_id: int) -> None:
-            # May run in any thread, from a garbage-collector finalizer: no locks.
-            backend = backend_ref()
-            if backend is not None:
-                backend._segment_unmapped(self, seg_id)
+    def unregister(self, selector: selectors.BaseSelector) -> None:
+        """Take its socket and pidfd off ``selector``, if they are on it."""
+        for fileobj in (self.channel, self.pidfd):
+            if fileobj is not None:
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    selector.unregister(fileobj)
 
-        self.channel = wire.Channel(parent_end, backend._segments.release, unmapped)
-        self.pidfd = pidfd_open(self.pid)
+    def close(self) -> None:
+        """Close its socket (the worker exits when it reads the end) and pidfd."""
+        self.channel.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
 
     def __repr__(self) -> str:
         return f"<worker {self.index} pid {self.pid}>"
 
 
-def pidfd_open(pid: int) -> int | None:
+def _pidfd_open(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):  # not Linux >= 5.3: the socket's EOF tells instead
         return None
 
 
-def unregister(selector: selectors.BaseSelector, worker: Worker) -> None:
-    for fileobj in (worker.channel, worker.pidfd):
-        if fileobj is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                selector.unregister(fileobj)
+def describe_exit(returncode: int) -> str:
+    """How a worker exited, in words (with the usual cause of a signal)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = {
+            "SIGKILL": " (the out-of-memory killer, or someone, killed it)",
+            "SIGSEGV": " (a segmentation fault, usually in a C extension)",
+        }.get(name, "")
+        return f"it was killed by {name}{hint}"
+    return f"it exited with code {returncode}"

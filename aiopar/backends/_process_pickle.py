@@ -1,5 +1,6 @@
-"""Pickling for the process backend's wire: a value (or a call) pickled with
-protocol 5, its large buffers moved into a shared-memory segment.
+"""What travels on the process backend's wire: a call, a value or a task's
+exception, pickled with protocol 5, large buffers moved into a shared-memory
+segment; and what the parent makes of what did not pickle or unpickle.
 
 Buffers of at least ``LARGE_BUFFER`` bytes (numpy arrays wherever they sit
 in the value: in lists, in objects, captured by a closure; bytearrays, ...)
@@ -19,20 +20,31 @@ import copyreg
 import pickle
 import sys
 import threading
+import traceback
 import types
 import weakref
 from collections import ChainMap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 
 from .._shm import HAVE_MEMFD, Filler, Segment, SegmentPool, aligned
 
-if TYPE_CHECKING:
-    from ._process_wire import Frame
-
-__all__ = ["LARGE_BUFFER", "LARGE_PICKLE", "Packed", "load_call", "pack", "pack_call"]
+__all__ = [
+    "LARGE_BUFFER",
+    "LARGE_PICKLE",
+    "Packed",
+    "RemoteError",
+    "RemoteTraceback",
+    "load_call",
+    "pack",
+    "pack_call",
+    "pack_error",
+    "remote_exception",
+    "unpicklable_part",
+    "unpickling_failed",
+]
 
 #: buffers at least this big travel in shared memory, smaller ones in the pickle
 LARGE_BUFFER = 64 * 1024
@@ -318,9 +330,10 @@ def pack_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], pool: Segm
 _loaded_functions: dict[bytes, Any] = {}
 
 
-def load_call(frame: Frame) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    """The ``(fn, args, kwargs)`` of a frame made by :func:`pack_call`."""
-    fn, pickled, args, kwargs = frame.loads()
+def load_call(call: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The ``(fn, args, kwargs)`` of a call that :func:`pack_call` packed,
+    once unpickled."""
+    fn, pickled, args, kwargs = call
     if pickled:
         data = fn
         fn = _loaded_functions.get(data)
@@ -329,3 +342,96 @@ def load_call(frame: Frame) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
                 _loaded_functions.clear()
             fn = _loaded_functions[data] = pickle.loads(data)
     return fn, args, kwargs
+
+
+def unpicklable_part(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Name the first part of a call that does not pickle, for the error message."""
+    parts: list[tuple[str, Any]] = [("the function", fn)]
+    parts += [(f"argument {i}", arg) for i, arg in enumerate(args)]
+    parts += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
+    for label, value in parts:
+        try:
+            cloudpickle.dumps(value, protocol=5, buffer_callback=lambda _: False)
+        except Exception:
+            return f"{label} (a {type(value).__module__}.{type(value).__qualname__})"
+    return "part of the call"
+
+
+def unpickling_failed(exc: BaseException, task_name: str) -> BaseException:
+    """The error for a result that came back but does not unpickle here."""
+    error = TypeError(
+        f"the result of {task_name}() came back from the worker process but could not be "
+        f"unpickled here ({type(exc).__name__}: {exc}); is its class importable in this process?"
+    )
+    error.__cause__ = exc
+    return error
+
+
+# -- a task's exception -----------------------------------------------------------
+#
+# It travels as (the pickled exception or None, its type's name, its message,
+# the traceback text), so what cannot pickle, or unpickle in the parent,
+# still reaches the user with its story.
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text.
+
+    Attached as the ``__cause__`` of the exception that ``wait`` raises, so
+    a printed traceback shows where the task failed inside the worker.
+    """
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n\nTraceback in the worker process:\n"""\n{self.tb}"""'
+
+
+class RemoteError(Exception):
+    """Stands in for an exception raised in a worker that could not be pickled."""
+
+
+def _round_trip(data: bytes) -> bytes:
+    """``data`` once it is known to unpickle: an exception that pickles may still fail to."""
+    pickle.loads(data)
+    return data
+
+
+def pack_error(exc: BaseException, tb: types.TracebackType | None) -> Packed:
+    """``exc`` ready to send, its traceback text starting at ``tb``."""
+    tb_text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        exc_bytes: bytes | None = _round_trip(pickle.dumps(exc, protocol=5))
+    except Exception:
+        try:
+            exc_bytes = _round_trip(cloudpickle.dumps(exc, protocol=5))
+        except Exception:
+            exc_bytes = None
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<str() of the exception failed>"
+    info = (exc_bytes, kind, message, tb_text)
+    return Packed(pickle.dumps(info, protocol=5), [], None, None)
+
+
+def remote_exception(info: tuple[bytes | None, str, str, str], task_name: str) -> BaseException:
+    """The exception that :func:`pack_error` packed, with the traceback text
+    as its ``__cause__``; a :class:`RemoteError` if it does not unpickle."""
+    exc_bytes, kind, message, tb_text = info
+    exc: BaseException | None = None
+    if exc_bytes is not None:
+        try:
+            exc = pickle.loads(exc_bytes)
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = RemoteError(
+            f"{kind}: {message} (raised by {task_name}() in a worker process; the exception "
+            f"itself could not be pickled, so this stands in for it)"
+        )
+    exc.__cause__ = RemoteTraceback(tb_text)
+    return exc

@@ -20,20 +20,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._shm import SegmentPool, aligned, map_segment
-from ._process_pickle import LARGE_BUFFER, LARGE_PICKLE, Packed, load_call, pack, pack_call
+from .._shm import aligned, map_segment
+from ._process_pickle import Packed
 
-__all__ = [
-    "LARGE_BUFFER",
-    "LARGE_PICKLE",
-    "Channel",
-    "Frame",
-    "Packed",
-    "SegmentPool",
-    "load_call",
-    "pack",
-    "pack_call",
-]
+__all__ = ["ERROR", "PATH", "READY", "RELEASE", "RESULT", "TASK", "TRACE", "Channel", "Frame"]
 
 # kinds of frame; a TASK frame's t0 is 1 when the parent's profiler records
 # the task, and the worker then sends a TRACE frame (what the task forked

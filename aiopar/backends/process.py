@@ -43,50 +43,45 @@ Guarantees:
 
 Workers are started with ``subprocess`` (``python -c``, the parent's
 ``sys.path``), so the parent's ``__main__`` is never re-imported. Each talks
-to the parent over a Unix socket (see ``_process_wire``); a pidfd tells the
-manager thread at once when a worker dies. POSIX only; the shared-memory
-path needs Linux (elsewhere large buffers go through the socket).
+to the parent over a Unix socket; a pidfd tells the manager thread at once
+when a worker dies. POSIX only; the shared-memory path needs Linux
+(elsewhere large buffers go through the socket).
 
-This module holds the backend's public face (options, fork, submit,
-shutdown); each other part has a module of its own: ``_process_handle``
-(a job, a worker process), ``_process_dispatch`` (jobs to workers,
-prefetch), ``_process_manager`` (the select loop), ``_process_outcomes``
-(frames to settled futures), ``_process_deaths`` (a worker's exit),
-``_process_shutdown`` (stopping, exit, os.fork()), ``_process_errors``,
-``_process_wire`` (what travels) and ``_process_worker`` (the worker's loop).
+This module is the backend's public face (options, fork, submit,
+shutdown). The rest has a module per part: ``_process_pool`` (the pool's
+state and its manager thread, one class), ``_process_handle`` (a job, a
+worker process), ``_process_wire`` (framing) and ``_process_pickle`` (what
+travels, errors included), and ``_process_worker`` (the worker's loop).
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import os
-import sys
-import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _budget
-from .._fresh import importable
 from .._future import Future
-from . import _process_wire as wire
 from ._base import Backend, Task, check_count
-from ._process_dispatch import PREFETCH_BUDGET_NS, dispatch
-from ._process_errors import RemoteError, RemoteTraceback, unpicklable_part
-from ._process_handle import Job, Worker
-from ._process_manager import manage
-from ._process_shutdown import GRACE, join, live, stop
+from ._process_handle import Job
+from ._process_pickle import Packed, RemoteError, RemoteTraceback, pack_call, unpicklable_part
+from ._process_pool import GRACE, Pool
 
-__all__ = ["ProcessBackend", "RemoteError", "RemoteTraceback"]
+__all__ = ["ProcessBackend", "RemoteError", "RemoteTraceback", "redirect_forks"]
 
 T = TypeVar("T")
 
-#: set in worker processes: the backend that forks made there go to (threads:
-#: never start processes from processes)
-in_worker_backend: Backend | None = None
+# Set in worker processes: where the forks made there go instead.
+_redirected_to: Backend | None = None
 
-_backend_ids = itertools.count(1)
+
+def redirect_forks(backend: Backend) -> None:
+    """Make every process backend of this process fork on ``backend`` instead.
+
+    A worker process calls it with the backend its parent chose for it, so
+    a task's forks run in that worker and never start processes of their own.
+    """
+    global _redirected_to
+    _redirected_to = backend
 
 
 class ProcessBackend(Backend):
@@ -134,131 +129,36 @@ class ProcessBackend(Backend):
             )
         super().__init__()
         self._max_workers = max_workers or _budget.cores()
-        self._prefetch = prefetch
-        self._grace = grace
-        self._mean_run_ns = PREFETCH_BUDGET_NS  # recent task run time (moving average)
-        self._worker_index = itertools.count()
-        self._job_ids = itertools.count(1)
-        self._generation = 0  # of the manager thread in charge
-        self._name = f"aiopar-process-{next(_backend_ids)}"
-        self._fresh_state()
-        live.add(self)
-
-    def _fresh_state(self) -> None:
-        """No workers, no queue, no manager: a new backend, or a child's after os.fork()."""
-        self._lock = threading.Lock()
-        self._pending: deque[Job] = deque()
-        self._workers: list[Worker] = []
-        self._idle: list[Worker] = []
-        self._start_failures = 0
-        self._segments = wire.SegmentPool()
-        self._manager: threading.Thread | None = None
-        self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
-        self._wake_r = self._wake_w = -1  # the manager's wake-up pipe, made with it
-        self._unmapped: deque[tuple[Worker, int]] = deque()
-        self._pid = os.getpid()
-        # Past this time.monotonic(), shutdown terminates the workers still
-        # running a task; with _renew, each task that finishes pushes it on.
-        self._deadline: float | None = None
-        self._renew = False
-        self._why_terminated = ""
-        # sys.path as last seen by a fork, what of it workers can use, and
-        # how many times it changed (a worker with an older one gets it).
-        self._sys_path = list(sys.path)
-        self._path = importable(self._sys_path)
-        self._path_version = 0
+        self._pool = Pool(self._max_workers, prefetch, grace, repr(self))
 
     @property
     def max_workers(self) -> int:
         return self._max_workers
 
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._pool.closed
+
     def fork(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        if in_worker_backend is not None:
-            return in_worker_backend.fork(fn, *args, **kwargs)
+        if _redirected_to is not None:
+            return _redirected_to.fork(fn, *args, **kwargs)
         return super().fork(fn, *args, **kwargs)
 
-    # -- submitting ----------------------------------------------------------
-
     def submit(self, task: Task) -> None:
-        if self._closed:
-            raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
-        if os.getpid() != self._pid:  # forked by C code that ran no at-fork hooks
-            raise RuntimeError(
-                f"{self!r} belongs to process {self._pid}; a child made with fork() "
-                f"must create its own backend"
-            )
-        if sys.path != self._sys_path:  # cheap while it is the same: compared item by item
-            with self._lock:
-                self._sys_path = list(sys.path)
-                self._path = importable(self._sys_path)
-                self._path_version += 1
-        job = Job(task, self._pack_call(task), next(self._job_ids))
-        with self._lock:
-            if self._closed:
-                job.packed.discard()
-                raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
-            self._pending.append(job)
-            dispatch(self)
-            if self._pending:
-                if self._manager is None:
-                    self._start_manager()
-                elif len(self._workers) < self._max_workers:
-                    self._wake()  # the manager starts workers
+        self._pool.check_open()
+        self._pool.submit(Job(task, self._pack_call(task)))
 
-    def _pack_call(self, task: Task) -> wire.Packed:
+    def _pack_call(self, task: Task) -> Packed:
         try:
-            return wire.pack_call(task.fn, task.args, task.kwargs, self._segments)
+            return pack_call(task.fn, task.args, task.kwargs, self._pool.segments)
         except Exception as exc:
-            culprit = unpicklable_part(task)
+            culprit = unpicklable_part(task.fn, task.args, task.kwargs)
             raise TypeError(
                 f"cannot send {task.name}() to a worker process: {culprit} cannot be pickled "
                 f"({type(exc).__name__}: {exc}). A process task's function and arguments "
                 f"must be picklable (cloudpickle): pass the data a lock, file, socket or "
                 f"generator was made from, or use the thread backend"
             ) from exc
-
-    # -- the manager thread's wake-up pipe -------------------------------------
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w >= 0:
-                with contextlib.suppress(BlockingIOError):
-                    os.write(self._wake_w, b"\0")
-
-    def _segment_unmapped(self, worker: Worker, seg_id: int) -> None:
-        self._unmapped.append((worker, seg_id))
-        self._wake()
-
-    def _start_manager(self) -> None:
-        # Called with the lock held.
-        with self._wake_lock:
-            if self._wake_r < 0:
-                self._wake_r, self._wake_w = os.pipe()
-                os.set_blocking(self._wake_r, False)
-                os.set_blocking(self._wake_w, False)
-        self._generation += 1
-        self._manager = threading.Thread(
-            target=manage,
-            args=(self, self._generation),
-            name=f"{self._name}-manager-{self._generation}",
-            daemon=True,
-        )
-        self._manager.start()
-
-    # Future.wait calls these in the manager thread when a done-callback run
-    # there blocks (say, on another process task): a new manager takes over,
-    # so the results that callback waits for still arrive. The blocked
-    # thread exits once its callback returns.
-    def blocked(self) -> None:
-        with self._lock:
-            if self._manager is threading.current_thread():
-                self._start_manager()
-
-    def blocked_long(self) -> None:
-        pass
-
-    def resumed(self) -> None:
-        pass
 
     # -- shutting down -------------------------------------------------------
 
@@ -272,9 +172,10 @@ class ProcessBackend(Backend):
         :class:`~aiopar.BrokenWorkerError`, so the call returns in bounded
         time even if a task never returns.
         """
+        self._closed = True
         why = None
         if cancel_pending:
-            why = f"still running {self._grace} s after shutdown(cancel_pending=True)"
-        stop(self, cancel_pending, why)
+            why = f"still running {self._pool.grace} s after shutdown(cancel_pending=True)"
+        self._pool.close(cancel_pending, why)
         if wait:
-            join(self)
+            self._pool.join()

@@ -1,0 +1,749 @@
+"""The process backend's pool: its workers, its queue, and the manager thread
+that runs it.
+
+One :class:`Pool` holds all of the state, behind one lock: the jobs not yet
+sent, the workers (each with the jobs sent to it, in the order it runs
+them), the idle ones, and how stopping is going. A fork hands a job to
+:meth:`Pool.submit`, which sends it to an idle worker at once, in the
+forking thread. Everything else happens in the manager thread, one select
+loop (:meth:`Pool._manage`): it starts workers, reads their frames, settles
+the futures, accounts for a worker that dies, and stops the workers once
+the pool is closed. A done-callback that blocks in that thread hands the
+loop over to a new one (:meth:`Pool.blocked`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import math
+import os
+import pickle
+import selectors
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from .. import _interrupt
+from .._errors import BrokenWorkerError
+from .._fresh import importable
+from .._future import Future
+from .._shm import SegmentPool
+from .._waiter import set_waiter
+from . import _process_wire as wire
+from ._base import Task
+from ._process_handle import Job, Worker, describe_exit
+from ._process_pickle import Packed, remote_exception, unpickling_failed
+
+__all__ = ["GRACE", "Pool"]
+
+_logger = logging.getLogger("aiopar")
+
+# Adaptive prefetch: about this much work queued on a worker, at most this
+# many tasks, each at most this big, all of them at most this many bytes.
+PREFETCH_BUDGET_NS = 1_000_000
+PREFETCH_MAX_TASKS = 16
+PREFETCH_MAX_CALL = 16 * 1024
+PREFETCH_MAX_BYTES = 64 * 1024
+
+# How many workers in a row may die before they are ready until the queued
+# tasks are failed instead of starting yet another one.
+MAX_START_FAILURES = 3
+
+#: the default grace period of a bounded shutdown (see ProcessBackend)
+GRACE = 5.0
+# How long stopping waits for an idle worker to exit before killing it.
+STOP_TIMEOUT = 10.0
+# How long a terminated worker has to exit before it is killed.
+KILL_AFTER = 1.0
+
+# A future and its outcome, (result, exception), or None to cancel it.
+Settle = tuple[Future[Any], "tuple[Any, BaseException | None] | None"]
+
+_pool_ids = itertools.count(1)
+#: every pool of this process, for interpreter exit and os.fork()
+_live: weakref.WeakSet[Pool] = weakref.WeakSet()
+# Handles on workers that a process inherited through os.fork(): they are
+# the parent's children, never to be waited for here.
+_inherited: list[subprocess.Popen[bytes]] = []
+
+
+class Pool:
+    """The workers, the queue and the manager thread of one process backend.
+
+    ``label`` names the backend in messages and logs. Thread-safe: any
+    thread may submit, close and join.
+    """
+
+    def __init__(
+        self, max_workers: int, prefetch: int | None, grace: float | None, label: str
+    ) -> None:
+        self.max_workers = max_workers
+        self.prefetch = prefetch
+        self.grace = grace
+        self.label = label
+        self._name = f"aiopar-process-{next(_pool_ids)}"  # of its threads
+        self._mean_run_ns = PREFETCH_BUDGET_NS  # recent task run time (moving average)
+        self._worker_index = itertools.count()
+        self._generation = 0  # of the manager thread in charge
+        self._fresh_state()
+        _live.add(self)
+
+    def _fresh_state(self) -> None:
+        """No workers, no queue, no manager: a new pool, or a child's after os.fork()."""
+        self.closed = False
+        self.pid = os.getpid()
+        self.segments = SegmentPool()  # what calls are packed into
+        self._lock = threading.Lock()
+        self._pending: deque[Job] = deque()
+        self._workers: list[Worker] = []
+        self._idle: list[Worker] = []
+        self._start_failures = 0
+        self._manager: threading.Thread | None = None
+        self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
+        self._wake_r = self._wake_w = -1  # the manager's wake-up pipe, made with it
+        self._unmapped: deque[tuple[Worker, int]] = deque()
+        # Past this time.monotonic(), the workers still running a task are
+        # terminated; with _renew, each task that finishes pushes it on.
+        self._deadline: float | None = None
+        self._renew = False
+        self._why_terminated = ""
+        # sys.path as last seen by a fork, what of it workers can use, and
+        # how many times it changed (a worker with an older one gets it).
+        self._sys_path = list(sys.path)
+        self._path = importable(self._sys_path)
+        self._path_version = 0
+
+    def __repr__(self) -> str:
+        return self.label
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The worker processes, starting or running (a copy)."""
+        with self._lock:
+            return list(self._workers)
+
+    def prefetch_depth(self) -> int:
+        """How many jobs beyond the running one a worker may hold now."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return max(1, min(PREFETCH_MAX_TASKS, PREFETCH_BUDGET_NS // (self._mean_run_ns + 1)))
+
+    # -- submitting ----------------------------------------------------------
+
+    def check_open(self) -> None:
+        """Raise RuntimeError unless the pool takes jobs from this process."""
+        if self.closed:
+            raise RuntimeError(f"cannot fork on {self.label}: it has been shut down")
+        if os.getpid() != self.pid:  # forked by C code that ran no at-fork hooks
+            raise RuntimeError(
+                f"{self.label} belongs to process {self.pid}; a child made with fork() "
+                f"must create its own backend"
+            )
+
+    def submit(self, job: Job) -> None:
+        """Queue the job (and send it at once if a worker is idle); raises
+        RuntimeError if the pool was closed meanwhile."""
+        if sys.path != self._sys_path:  # cheap while it is the same: compared item by item
+            with self._lock:
+                self._sys_path = list(sys.path)
+                self._path = importable(self._sys_path)
+                self._path_version += 1
+        with self._lock:
+            if self.closed:
+                job.packed.discard()
+                raise RuntimeError(f"cannot fork on {self.label}: it has been shut down")
+            self._pending.append(job)
+            self._dispatch()
+            if self._pending:
+                if self._manager is None:
+                    self._start_manager()
+                elif len(self._workers) < self.max_workers:
+                    self._wake()  # the manager starts workers
+
+    def _dispatch(self) -> None:
+        """Send queued jobs to idle workers, then prefetch onto busy ones.
+
+        Called with the lock held.
+        """
+        pending = self._pending
+        while pending and self._idle:
+            job = pending.popleft()
+            if job.claim():
+                self._send(self._idle.pop(), job)
+        depth = self.prefetch_depth()
+        if not pending or not depth:
+            return
+        for worker in self._workers:
+            if not pending:
+                break
+            if not worker.ready or not worker.inflight:
+                continue
+            # What the worker has not read yet must fit in the socket's
+            # buffer: a send here must never wait for a busy worker.
+            queued = sum(len(j.packed.payload) for j in itertools.islice(worker.inflight, 1, None))
+            while pending and not worker.stopping and len(worker.inflight) <= depth:
+                job = pending[0]
+                size = len(job.packed.payload)
+                if job.packed.segment is not None or size > PREFETCH_MAX_CALL:
+                    return  # big calls only go to a worker that is reading
+                if queued + size > PREFETCH_MAX_BYTES:
+                    break
+                pending.popleft()
+                if job.claim():
+                    queued += size
+                    self._send(worker, job)
+
+    def _send(self, worker: Worker, job: Job) -> None:
+        # Called with the lock held.
+        worker.inflight.append(job)
+        try:
+            if worker.path_version != self._path_version:
+                # Before the task, so its function unpickles on the new path.
+                path = Packed(pickle.dumps(self._path, protocol=5), [], None, None)
+                worker.channel.send(wire.PATH, packed=path)
+                worker.path_version = self._path_version
+            traced = job.task.record is not None  # the worker records its forks then
+            worker.channel.send(wire.TASK, job.id, job.packed, owner=worker, t0=traced)
+        except OSError:
+            # The worker is dying; the manager notices through its pidfd and
+            # requeues this job, which the worker never received.
+            worker.inflight.pop()
+            self._pending.appendleft(job)
+            worker.stopping = True
+            if worker in self._idle:
+                self._idle.remove(worker)
+
+    # -- the manager thread ---------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_w, b"\0")
+
+    def _start_manager(self) -> None:
+        # Called with the lock held.
+        with self._wake_lock:
+            if self._wake_r < 0:
+                self._wake_r, self._wake_w = os.pipe()
+                os.set_blocking(self._wake_r, False)
+                os.set_blocking(self._wake_w, False)
+        self._generation += 1
+        self._manager = threading.Thread(
+            target=self._manage,
+            args=(self._generation,),
+            name=f"{self._name}-manager-{self._generation}",
+            daemon=True,
+        )
+        self._manager.start()
+
+    # The waiter protocol of the manager thread: Future.wait calls these in
+    # it when a done-callback run there blocks (say, on another process
+    # task). A new manager takes over, so the results that callback waits
+    # for still arrive; the blocked thread exits once its callback returns.
+    def blocked(self) -> None:
+        with self._lock:
+            if self._manager is threading.current_thread():
+                self._start_manager()
+
+    def blocked_long(self) -> None:
+        pass
+
+    def resumed(self) -> None:
+        pass
+
+    def _manage(self, generation: int) -> None:
+        set_waiter(self)
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        watched: set[Worker] = set()
+        settles: list[Settle] = []
+        handed_off = False
+        try:
+            while True:
+                timeout = self._enforce_deadline(settles)
+                with self._lock:
+                    for job, error in self._start_workers():
+                        job.packed.discard()
+                        settles.append((job.future, (None, error)))
+                    for worker in self._workers:
+                        if worker not in watched:
+                            watched.add(worker)
+                            if not worker.eof:
+                                selector.register(worker.channel, selectors.EVENT_READ, worker)
+                            if worker.pidfd is not None:
+                                selector.register(worker.pidfd, selectors.EVENT_READ, worker)
+                    stop = self.closed and not self._pending and not self._busy()
+                # Settled last, right before select() lets go of the GIL, so
+                # a waiter that wakes up finds it free.
+                if self._settle_all(settles, generation):
+                    handed_off = True
+                    return
+                if stop:
+                    break
+                # Frames a previous manager read but left unhandled.
+                ready = [
+                    (selector.get_key(w.channel), None)
+                    for w in watched
+                    if not w.eof and w.channel.has_frame()
+                ]
+                for key, _ in ready or selector.select(timeout):
+                    worker = key.data
+                    if worker is None:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        self._send_releases()
+                    elif worker in watched:
+                        if key.fileobj is worker.channel:
+                            self._read(worker, selector, settles)
+                            if worker.eof and worker in self._workers:
+                                with contextlib.suppress(KeyError, ValueError):
+                                    selector.unregister(worker.channel)
+                        else:
+                            self._worker_died(worker, selector, settles)
+                        if worker not in self._workers:
+                            watched.discard(worker)
+            self._stop_workers()
+        except BaseException:
+            _logger.exception("the manager thread of %s failed; failing its tasks", self.label)
+            for future, outcome in settles:
+                settle(future, outcome)
+            self._fail_everything()
+            raise
+        finally:
+            selector.close()
+            if not handed_off:
+                with self._wake_lock:
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._wake_r = self._wake_w = -1
+                self.segments.close()
+
+    def _settle_all(self, settles: list[Settle], generation: int) -> bool:
+        """Settle the futures; True if a callback blocked and a new manager
+        took over (this thread then only finishes its own list)."""
+        for i, (future, outcome) in enumerate(settles):
+            settle(future, outcome)
+            if generation != self._generation:
+                # The new manager never saw these, so they are settled here.
+                for future, outcome in settles[i + 1 :]:
+                    settle(future, outcome)
+                return True
+        settles.clear()
+        return False
+
+    def _start_workers(self) -> list[tuple[Job, BaseException]]:
+        """Start one worker per queued job, up to max_workers.
+
+        Called with the lock held; returns the jobs to fail (after the lock
+        is released) if no worker could be started at all.
+        """
+        starting = sum(1 for worker in self._workers if not worker.ready)
+        wanted = min(len(self._pending) - starting, self.max_workers - len(self._workers))
+        for _ in range(max(wanted, 0)):
+            try:
+                self._workers.append(self._new_worker())
+            except OSError as exc:
+                if self._workers:
+                    break  # the running workers carry on
+                doomed = list(self._pending)
+                self._pending.clear()
+                return [
+                    (
+                        job,
+                        BrokenWorkerError(
+                            f"could not start a worker process for {job.name}() "
+                            f"({type(exc).__name__}: {exc})"
+                        ),
+                    )
+                    for job in doomed
+                ]
+        return []
+
+    def _new_worker(self) -> Worker:
+        pool_ref = weakref.ref(self)
+
+        def unmapped(worker: Worker, seg_id: int) -> None:
+            # May run in any thread, from a garbage-collector finalizer: no
+            # locks, and no reference that keeps the pool alive.
+            pool = pool_ref()
+            if pool is not None:
+                pool._unmapped.append((worker, seg_id))
+                pool._wake()
+
+        index = next(self._worker_index)
+        return Worker(index, self._path, self._path_version, self.segments, unmapped)
+
+    def _send_releases(self) -> None:
+        """Tell the workers which of their segments this process no longer maps."""
+        by_worker: dict[Worker, list[int]] = {}
+        while self._unmapped:
+            worker, seg_id = self._unmapped.popleft()
+            by_worker.setdefault(worker, []).append(seg_id)
+        if not by_worker:
+            return
+        with self._lock:
+            for worker, ids in by_worker.items():
+                if worker in self._workers and not worker.stopping:
+                    with contextlib.suppress(OSError):
+                        worker.channel.send(wire.RELEASE, released=ids)
+
+    # -- frames and outcomes ---------------------------------------------------
+
+    def _read(
+        self, worker: Worker, selector: selectors.BaseSelector, settles: list[Settle]
+    ) -> None:
+        """Handle the frames waiting on the worker's socket, adding the futures
+        to settle to ``settles``."""
+        channel = worker.channel
+        while True:
+            try:
+                frame = channel.recv()
+            except (EOFError, OSError):
+                with self._lock:
+                    worker.eof = True
+                    worker.stopping = True
+                    if worker in self._idle:
+                        self._idle.remove(worker)
+                if worker.pidfd is None:  # no pidfd to tell when it has exited
+                    self._worker_died(worker, selector, settles)
+                return
+            if frame is not None and (outcome := self._on_frame(worker, frame)):
+                settles.append(outcome)
+            del frame
+            if not channel.has_frame():
+                return
+
+    def _on_frame(self, worker: Worker, frame: wire.Frame) -> Settle | None:
+        """Account for the frame; return the settling of its future, which the
+        caller does last (a done-callback may block, see blocked)."""
+        if frame.kind == wire.READY:
+            with self._lock:
+                worker.ready = True
+                self._start_failures = 0
+                if not worker.stopping:
+                    self._idle.append(worker)
+                self._dispatch()
+            return None
+        if frame.kind == wire.TRACE:  # about the running task; its result comes next
+            with self._lock:
+                job = worker.inflight[0]
+            assert job.id == frame.msg_id, (job.id, frame.msg_id)
+            job.forks = frame.loads()
+            return None
+        with self._lock:
+            job = worker.inflight.popleft()
+            assert job.id == frame.msg_id, (job.id, frame.msg_id)
+            if not worker.inflight and not worker.stopping:
+                self._idle.append(worker)
+            self._dispatch()
+        self._mean_run_ns += (frame.t1 - frame.t0 - self._mean_run_ns) // 8
+        if self._renew and self._deadline is not None:
+            self._deadline = time.monotonic() + self.grace  # type: ignore[operator]
+        record = job.task.record
+        if record is not None:
+            # Tasks run on the worker's main thread, whose tid is its pid.
+            record.on_remote_run(
+                frame.t0, frame.t1, worker.pid, worker.pid, f"process worker {worker.index}"
+            )
+            if job.forks is not None:
+                record.on_remote_forks(job.forks)
+        try:
+            if frame.kind == wire.RESULT:
+                outcome: tuple[Any, BaseException | None] = (frame.loads(), None)
+            else:
+                outcome = (None, remote_exception(frame.loads(), job.name))
+        except BaseException as exc:
+            outcome = (None, unpickling_failed(exc, job.name))
+        return job.future, outcome
+
+    def _worker_died(
+        self, worker: Worker, selector: selectors.BaseSelector, settles: list[Settle]
+    ) -> None:
+        """Account for a worker's exit, adding the futures to settle to
+        ``settles``: what it finished still counts, what it was running
+        fails, what was queued on it runs elsewhere."""
+        with contextlib.suppress(OSError, EOFError):
+            worker.channel.sock.setblocking(False)
+            while True:
+                try:
+                    frame = worker.channel.recv()
+                except BlockingIOError:
+                    break
+                if frame is not None and (outcome := self._on_frame(worker, frame)):
+                    settles.append(outcome)
+        returncode = worker.process.wait()
+        with self._lock:
+            self._workers.remove(worker)
+            if worker in self._idle:
+                self._idle.remove(worker)
+            inflight = list(worker.inflight)
+            worker.inflight.clear()
+            running = inflight[0] if inflight else None
+            stranded = inflight[1:]  # sent but not started
+            if worker.terminated is None:  # run them elsewhere
+                for job in reversed(stranded):
+                    self._pending.appendleft(job)
+                    if job.packed.segment is not None:
+                        job.packed.segment.owner = None
+                stranded = []
+            self.segments.release_owner(worker)
+            failed_to_start = not worker.ready and not self.closed
+            doomed: list[Job] = []
+            if failed_to_start:
+                self._start_failures += 1
+                if self._start_failures >= MAX_START_FAILURES:
+                    doomed = list(self._pending)
+                    self._pending.clear()
+            self._dispatch()
+        worker.unregister(selector)  # before closing: the numbers may be reused
+        worker.close()
+        cause = describe_exit(returncode)
+
+        def lost(job: Job, message: str) -> None:
+            job.packed.discard()
+            settles.append((job.future, (None, BrokenWorkerError(message))))
+
+        if worker.terminated is not None:
+            if running is not None:
+                lost(
+                    running,
+                    f"the worker process (pid {worker.pid}) running {running.name}() was "
+                    f"terminated at shutdown: {worker.terminated}. The task's work is lost",
+                )
+            for job in stranded:
+                lost(
+                    job,
+                    f"{job.name}() never ran: it was queued on the worker process "
+                    f"(pid {worker.pid}) that shutdown terminated ({worker.terminated})",
+                )
+        elif running is not None:
+            lost(
+                running,
+                f"the worker process (pid {worker.pid}) running {running.name}() died: "
+                f"{cause}. The task's work is lost; other tasks are unaffected and a new "
+                f"worker replaces it",
+            )
+        for job in doomed:
+            lost(
+                job,
+                f"{MAX_START_FAILURES} worker processes in a row died before they were "
+                f"ready (the last one {cause}); their error output is above. "
+                f"{job.name}() was never run",
+            )
+
+    # -- stopping --------------------------------------------------------------
+
+    def close(self, cancel_pending: bool, why: str | None, *, renew: bool = False) -> None:
+        """Take no more jobs; the manager stops the workers once the queue
+        is done. With ``cancel_pending`` the queued jobs are cancelled; with
+        ``why``, the workers still running a job ``grace`` seconds from now
+        (``renew``: from the last job that finished) are terminated."""
+        with self._lock:
+            self.closed = True
+            queued: list[Job] = []
+            if cancel_pending:
+                queued = list(self._pending)
+                self._pending.clear()
+            if why is not None and self.grace is not None and self._deadline is None:
+                self._deadline = time.monotonic() + self.grace
+                self._renew = renew
+                self._why_terminated = why
+            manager = self._manager
+        started = []
+        for job in queued:
+            if job.future.cancel():
+                job.packed.discard()
+            else:
+                started.append(job)  # resent after its worker died: it runs
+        if started:
+            with self._lock:
+                self._pending.extendleft(reversed(started))
+        if manager is None:
+            self.segments.close()
+        else:
+            self._wake()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the manager to finish; False if ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        manager = self._manager
+        # A blocked callback may hand the manager's job to a new thread.
+        while manager is not None and manager is not threading.current_thread():
+            _interrupt.join(manager, None if end is None else max(0.0, end - time.monotonic()))
+            if manager.is_alive():
+                return False
+            if manager is self._manager:
+                break
+            manager = self._manager
+        return True
+
+    def _enforce_deadline(self, settles: list[Settle]) -> float | None:
+        """Once the deadline has passed, terminate the workers still running a
+        job (kill them a second later) and drop the queue, adding the futures
+        to ``settles``; return how long the manager may sleep (None: until
+        something happens)."""
+        if self._deadline is None:
+            return None
+        now = time.monotonic()
+        due = now >= self._deadline
+        wake_at = math.inf if due else self._deadline
+        why = self._why_terminated
+        terminating = []
+        with self._lock:
+            if due:
+                for job in self._pending:
+                    job.packed.discard()
+                    if job.future.running():  # resent after its worker died: too late to cancel
+                        message = f"{job.name}() never ran: the pool was stopped ({why})"
+                        settles.append((job.future, (None, BrokenWorkerError(message))))
+                    else:
+                        settles.append((job.future, None))
+                self._pending.clear()
+            for worker in self._workers:
+                if worker.terminated is None:
+                    if not due or not worker.inflight:
+                        continue
+                    terminating.append((worker, worker.inflight[0].name))
+                    worker.terminated = why
+                    worker.kill_at = now + KILL_AFTER
+                    worker.process.terminate()
+                elif now >= worker.kill_at:
+                    worker.kill_at = math.inf
+                    worker.process.kill()
+                wake_at = min(wake_at, worker.kill_at)
+        for worker, name in terminating:
+            _logger.warning(
+                "%s: terminating %r, which is still running %s(): %s "
+                "(ProcessBackend(grace=...) sets how long a shutdown waits)",
+                self.label,
+                worker,
+                name,
+                why,
+            )
+        return None if wake_at == math.inf else wake_at - now
+
+    def _busy(self) -> bool:
+        return any(worker.inflight for worker in self._workers)
+
+    def _stop_workers(self) -> None:
+        with self._lock:
+            workers = list(self._workers)
+            self._workers.clear()
+            self._idle.clear()
+        for worker in workers:
+            worker.channel.close()  # EOF tells the worker to exit
+        for worker in workers:
+            try:
+                worker.process.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                _logger.warning(
+                    "%r did not exit %s s after shutdown; killing it", worker, STOP_TIMEOUT
+                )
+                worker.process.kill()
+                worker.process.wait()
+            if worker.pidfd is not None:
+                os.close(worker.pidfd)
+
+    def _fail_everything(self) -> None:
+        with self._lock:
+            self.closed = True  # later forks raise instead of waiting for ever
+            jobs = list(self._pending)
+            self._pending.clear()
+            for worker in self._workers:
+                jobs.extend(worker.inflight)
+                worker.inflight.clear()
+        for job in jobs:
+            error = BrokenWorkerError(f"{self.label} failed internally; see the 'aiopar' log")
+            settle(job.future, (None, error))
+        with contextlib.suppress(Exception):
+            self._stop_workers()
+
+    def _after_fork(self) -> None:
+        """Start afresh in a child made by os.fork(): only the forking thread
+        lives on, so the manager is gone, a lock may be held for ever, and
+        the workers are the parent's (the child must not hold their sockets
+        open, or they would not see the parent shut them down)."""
+        parent = self.pid
+        jobs = [*self._pending, *(job for worker in self._workers for job in worker.inflight)]
+        for worker in self._workers:
+            worker.close()
+            _inherited.append(worker.process)
+        if self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self.segments.close_after_fork()
+        self._fresh_state()
+        for job in jobs:
+            job.future._lock = threading.Lock()  # its holder may be a thread that is gone
+            error = BrokenWorkerError(
+                f"{job.name}() was forked on {self.label} in process {parent}, which then "
+                f"forked this process (os.fork); the task runs for the parent, so its "
+                f"result never reaches this copy of the future"
+            )
+            settle(job.future, (None, error))
+
+
+def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:
+    """Settle ``future`` with ``outcome``, or cancel it if that is None.
+
+    A done-callback runs here; whatever it raises (SystemExit and
+    KeyboardInterrupt included) is the callback's business, not the
+    pool's: it is logged, and the manager carries on.
+    """
+    try:
+        if outcome is None:
+            future.cancel()
+        else:
+            Task.settle(future, outcome)
+    except BaseException as exc:
+        _logger.error(
+            "a done-callback of %r raised %s; the process backend logged and ignored it",
+            future,
+            type(exc).__name__,
+            exc_info=exc,
+        )
+
+
+# Registered after the Backend base class's own exit hook (``._base`` is
+# imported first), so it runs first (atexit runs in reverse) and that one
+# finds these pools stopped.
+@atexit.register
+def _stop_at_exit() -> None:
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    pools = list(_live)
+    for pool in pools:
+        if interrupted:
+            why = f"still running {pool.grace} s after an uncaught KeyboardInterrupt"
+            pool.close(True, why)
+        else:
+            why = f"the interpreter is exiting and no task finished for {pool.grace} s"
+            pool.close(False, why, renew=True)
+    for pool in pools:
+        if not pool.join(timeout=1.0):
+            _logger.warning(
+                "%s: waiting for its running tasks before the interpreter exits "
+                "(a worker is terminated once no task has finished for %s s)",
+                pool.label,
+                pool.grace,
+            )
+            pool.join()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_live):
+        try:
+            pool._after_fork()
+        except Exception:
+            _logger.exception("could not reset %s after os.fork()", pool.label)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
