@@ -5,6 +5,9 @@ future can be waited on in a script (``wait``), awaited on asyncio, uvloop or
 trio, or chained with ``then``. Backends decide where the work runs.
 """
 
+# The profiler is a submodule of the public API (aiopar.profiler.profile());
+# loading it registers its recorder with the seam the task machinery reads.
+from . import profiler as profiler
 from ._api import (
     TaskGroup,
     as_completed,

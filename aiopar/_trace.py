@@ -1,5 +1,4 @@
-"""The seam between the task machinery and the recorder (:mod:`aiopar._recorder`,
-reported on by :mod:`aiopar.profiler`).
+"""The seam between the task machinery and the recorder of :mod:`aiopar.profiler`.
 
 ``active`` is ``None`` unless a profiler is recording; every hook site checks
 that one attribute and does nothing else when it is ``None``, so tracing off
@@ -19,7 +18,9 @@ costs one check per task (or coroutine fork). A recorder implements:
     worker process. A backend asks its worker for that only for a task
     with a record; there, :func:`capture_forks` starts recording before the
     task runs and its ``report()`` (plain data, or None when nothing was
-    forked) stops after it.
+    forked) stops after it. The recorder registers what
+    :func:`capture_forks` makes (``worker_capture``) when it loads, which
+    ``import aiopar`` does in every process: this module imports nothing.
 ``on_fork_coroutine(fn) -> record``
     called in the forking thread when a coroutine function is forked onto an
     event loop; the runner then awaits ``record.run_in_steps(fn, args,
@@ -38,6 +39,7 @@ machine line up with the parent's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 active: Any = None
@@ -45,11 +47,13 @@ active: Any = None
 #: nanoseconds on the clock every trace timestamp uses, in every process
 clock = time.perf_counter_ns
 
+#: set by the recorder when it loads: starts a capture for :func:`capture_forks`
+worker_capture: Callable[[], Any] | None = None
+
 
 def capture_forks() -> Any:
     """In a worker process, for a task its parent's profiler records: start
     recording every fork made in this process; ``.report()`` stops and
-    returns what was recorded, as plain data (None if nothing was)."""
-    from ._recorder import WorkerCapture  # loaded only in a worker whose parent profiles
-
-    return WorkerCapture()
+    returns what was recorded, as plain data (None if nothing was).
+    None if no recorder has registered."""
+    return None if worker_capture is None else worker_capture()

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import anyio
 import pytest
+from helpers import run_python
 
 import aiopar
 from aiopar import _trace
@@ -552,24 +553,39 @@ def test_coroutines_and_nested_forks_inside_a_worker_process(process_pool):
 def test_a_worker_records_nothing_unless_its_parent_profiles():
     from aiopar.backends.process import ProcessBackend
 
-    # Local functions travel by value: the worker imports neither this
-    # module nor, through it, the recorder.
     def forks_two() -> int:
         return sum(aiopar.wait_all([aiopar.fork(abs, -i) for i in range(2)]))
 
-    def recorder_loaded() -> bool:
-        return "aiopar._recorder" in sys.modules
+    def recording() -> bool:
+        from aiopar import _trace
+
+        return _trace.active is not None
 
     with ProcessBackend(max_workers=1) as fresh:
         assert fresh.fork(forks_two).wait() == 1
-        assert fresh.fork(recorder_loaded).wait() is False
+        assert fresh.fork(recording).wait() is False
         with profile() as prof:
             assert fresh.fork(forks_two).wait() == 1
+            assert fresh.fork(recording).wait() is True  # while its own task runs
         assert [r.name for r in prof.records].count("abs") == 2
-        assert fresh.fork(recorder_loaded).wait() is True
+        assert fresh.fork(recording).wait() is False  # and only then
         with profile() as prof:
             assert fresh.fork(int, "7").wait() == 7  # forks nothing: no report
         assert [r.name for r in prof.records] == ["int"]
+
+
+def test_the_recorder_registers_with_the_seam_when_aiopar_loads():
+    # A worker process imports aiopar, never the profiler: that is how its
+    # capture_forks() finds the recorder (the seam imports nothing).
+    done = run_python(
+        """
+        from aiopar import _trace
+
+        capture = _trace.capture_forks()
+        print(type(capture).__module__, capture.report())
+        """
+    )
+    assert done.stdout.split() == ["aiopar.profiler._recorder", "None"], done.stderr
 
 
 def test_a_fork_still_running_when_its_process_task_returns_is_unfinished(process_pool):

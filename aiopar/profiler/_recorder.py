@@ -1,10 +1,11 @@
-"""The recorder below the backends: what a profile records, and how.
+"""The recorder: what a profile records, and how.
 
 The backends and the core reach it only through :mod:`aiopar._trace`
 (``_trace.active`` is the one :data:`recorder` while any recording is open);
-:mod:`aiopar.profiler` builds its reports (the table, the Chrome trace) on
-top of a :class:`Recording`. :class:`WorkerCapture` records, in a worker
-process, what a task forked there, for its record in the parent.
+the profile (:class:`aiopar.profiler.Profile`) builds its reports, the table
+and the Chrome trace, on top of a :class:`Recording`. :class:`WorkerCapture`
+records, in a worker process, what a task forked there, for its record in
+the parent; loading this module registers it with ``_trace`` for that.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, NamedTuple, Self
 
 import sniffio
 
-from . import _trace
+from .. import _trace
 
 __all__ = ["Recording", "TaskRecord", "Wait", "Worker", "WorkerCapture", "clock", "recorder"]
 
@@ -435,3 +436,6 @@ class WorkerCapture:
         ]
         # rows last: row() fills it while the lists above are made
         return self._task.blocked_ns, [tuple(worker) for worker in rows], forks, blocked
+
+
+_trace.worker_capture = WorkerCapture
