@@ -5,13 +5,27 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _budget, _config, _parallel
 from ._budget import budget, cores
 from .backends import Backend, available_backends
 
-__all__ = ["parallel_info"]
+__all__ = ["add_info_lines", "parallel_info"]
+
+#: what modules above the core add to the report (aiopar.nn: its LSTM engine)
+_more_lines: list[Callable[[], Iterable[str]]] = []
+
+
+def add_info_lines(source: Callable[[], Iterable[str]]) -> None:
+    """Have `parallel_info` show the lines `source()` returns, called at each report.
+
+    The core imports none of the modules that use it: they register themselves
+    when imported.
+    """
+    if source not in _more_lines:
+        _more_lines.append(source)
 
 
 def _plural(n: int, word: str) -> str:
@@ -85,6 +99,8 @@ def parallel_info() -> str:
         "environment: "
         + ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in _budget.THREAD_ENV_VARS)
     )
+    for source in _more_lines:
+        lines.extend(source())
     lines.extend(f"note: {why}" for why in budget.env_ignored)
     lines.extend(f"note: {why}" for why in _older_kernels(libraries, _cpu_flags()))
     lines.extend(f"WARNING: {w}" for w in _oversubscription(libraries, backend))

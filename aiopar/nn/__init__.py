@@ -4,8 +4,16 @@
 and `LSTMEnsemble` are the models of the TorchScript dynamic-parallelism
 tutorial, run on aiopar's fork/wait. A module is called like a function,
 ``ens(x)``, or forked, ``await aiopar.fork(ens, x)``.
+
+The LSTM's recurrent step runs through numpy (BLAS), or through oneDNN when
+``aiopar[onednn]`` is installed and has a packed kernel for this CPU:
+`lstm_engine` says which, `set_lstm_engine` (or ``AIOPAR_LSTM_ENGINE``)
+chooses.
 """
 
+from aiopar._info import add_info_lines
+
+from ._engine import engine_info, lstm_engine, set_lstm_engine
 from .ensemble import BidirectionalRecurrentLSTM, LSTMEnsemble
 from .lstm import LSTM
 from .module import IncompatibleKeys, Module, ModuleList
@@ -17,4 +25,8 @@ __all__ = [
     "LSTMEnsemble",
     "Module",
     "ModuleList",
+    "lstm_engine",
+    "set_lstm_engine",
 ]
+
+add_info_lines(engine_info)

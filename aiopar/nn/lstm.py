@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._engine import step_factory
 from ._recurrence import PackedWeights, pack_weights, run_direction
 from .module import Module
 
@@ -233,8 +234,10 @@ class LSTM(Module):
         state: tuple[np.ndarray, np.ndarray] | None = None,
         *,
         reverse: bool = False,
+        accumulate: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Run on validated time-major `x`, writing the last layer's output into `out`.
+        """Run on validated time-major `x`, writing the last layer's output into
+        `out` (adding it to what `out` holds with `accumulate`).
 
         With `reverse`, computes ``flip(lstm(flip(x)))`` without copying:
         every direction runs the other way in time.
@@ -246,6 +249,7 @@ class LSTM(Module):
         h_n = np.empty((layers, batch, hidden), np.float32)
         c_n = np.empty((layers, batch, hidden), np.float32)
         packed = self._packed_weights()
+        step = step_factory()
         layer_input = x
         for layer in range(self.num_layers):
             last = layer == self.num_layers - 1
@@ -259,6 +263,8 @@ class LSTM(Module):
                     None if state is None else state[0][k],
                     None if state is None else state[1][k],
                     reverse=(d == 1) != reverse,
+                    accumulate=accumulate and last,
+                    step_factory=step,
                 )
             layer_input = layer_out
         return h_n, c_n
