@@ -11,7 +11,7 @@ import pytest
 from helpers import run_python
 
 import aiopar
-from aiopar.nn import BidirectionalRecurrentLSTM, LSTMEnsemble
+from aiopar.nn import LSTM, BidirectionalRecurrentLSTM, LSTMEnsemble
 from aiopar.nn.ensemble import _wait_every
 
 T, B, C = 6, 3, 5
@@ -184,3 +184,48 @@ async def test_await_fork_raises_input_errors(anyio_backend) -> None:
     ens = LSTMEnsemble(1, C, 4)
     with pytest.raises(TypeError, match="floating-point"):
         await aiopar.fork(ens, np.ones((T, B, C), np.int32))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5, 8])
+def test_streams_for_any_worker_count_give_the_sequential_sum(workers) -> None:
+    # The default variant runs one stream per worker; streams that share a
+    # half of the output add theirs at the end.
+    ens = LSTMEnsemble(4, C, 6, seed=7, fork_models=False, fork_directions=False)
+    x = uniform01(T, 9, C)
+    expected = ens(x)
+    ens.fork_models = ens.fork_directions = True
+    with aiopar.use_backend(aiopar.get_backend("thread", max_workers=workers)):
+        got = ens(x)
+    if workers <= 2:  # one stream per half: added in model order, bit for bit
+        np.testing.assert_array_equal(got, expected)
+    else:
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_stream_that_fails_leaves_the_other_finished_and_raises(monkeypatch, caplog) -> None:
+    ens = LSTMEnsemble(2, C, 4, seed=8)
+    ran: list[str] = []
+    real_run = LSTM._run
+
+    def run(self, x, out, state=None, *, reverse=False, accumulate=False):
+        if self is ens.models[1].cell_f:
+            raise RuntimeError("cell_f of model 1 failed")
+        ran.append("b" if reverse else "f")
+        return real_run(self, x, out, state, reverse=reverse, accumulate=accumulate)
+
+    monkeypatch.setattr(LSTM, "_run", run)
+    with pytest.raises(RuntimeError, match="cell_f of model 1 failed"):
+        ens(uniform01(T, B, C))
+    assert sorted(ran) == ["b", "b", "f"]  # the backward stream ran to its end
+    gc.collect()
+    assert "nobody retrieved" not in caplog.text
+
+
+def test_inline_and_openmp_backends_run_the_streams() -> None:
+    ens = LSTMEnsemble(3, C, 5, seed=9, fork_models=False, fork_directions=False)
+    x = uniform01(T, B, C)
+    expected = ens(x)
+    ens.fork_models = ens.fork_directions = True
+    for backend in ("inline", "openmp"):
+        with aiopar.use_backend(backend):
+            np.testing.assert_allclose(ens(x), expected, rtol=1e-6, atol=1e-6)

@@ -200,17 +200,18 @@ def run_direction(
             np.matmul(x.reshape(steps * batch, features), weights.w_ih_t, out=proj)
             if weights.bias is not None:
                 proj += weights.bias
-            _recur(
-                step_factory(weights, ws),
-                proj.reshape(steps, batch, 4 * hidden),
-                gates[:batch],
-                h[:batch],
-                tanh_c,
-                out,
-                range(steps - 1, -1, -1) if reverse else range(steps),
-                first_from_zero=h0 is None,
-                accumulate=accumulate,
-            )
+            with np.errstate(over="ignore"):  # exp(z) = inf is a gate's limit: 0 or 1
+                _recur(
+                    step_factory(weights, ws),
+                    proj.reshape(steps, batch, 4 * hidden),
+                    gates[:batch],
+                    h[:batch],
+                    tanh_c,
+                    out,
+                    range(steps - 1, -1, -1) if reverse else range(steps),
+                    first_from_zero=h0 is None,
+                    accumulate=accumulate,
+                )
         return h[:batch].copy(), s * -0.5
 
 

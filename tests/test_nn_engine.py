@@ -1,0 +1,212 @@
+"""The LSTM engines: parity with torch on each, and how the engine is chosen.
+
+The oneDNN rows need the ``onednn-cpu-gomp`` wheel (``pip install
+aiopar[onednn]``) and skip without it; the choice tests need nothing: they
+stand in for a missing or broken library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import run_python
+
+import aiopar
+from aiopar.nn import LSTM, LSTMEnsemble, _engine, _onednn, lstm_engine, set_lstm_engine
+
+TOLERANCE = 1e-5
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def onednn_loads() -> bool:
+    try:
+        _onednn.load()
+    except _onednn.OneDNNError:
+        return False
+    return True
+
+
+@pytest.fixture(autouse=True)
+def engine_chosen_afresh():
+    """Every test starts with no choice made (the environment's preference) and leaves none."""
+    _engine._preference, _engine._choice = None, None
+    yield
+    _engine._preference, _engine._choice = None, None
+
+
+ENGINES = [
+    "numpy",
+    pytest.param(
+        "onednn",
+        marks=pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed"),
+    ),
+]
+
+
+def max_error(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape
+    return float(np.abs(a.astype(np.float64) - b).max(initial=0.0))
+
+
+# -- parity with torch, on each engine ----------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("num_layers", "bidirectional", "batch_first"),
+    list(itertools.product([1, 2], [False, True], [False, True])),
+)
+def test_lstm_matches_torch(engine, num_layers, bidirectional, batch_first) -> None:
+    torch = pytest.importorskip("torch")
+    assert set_lstm_engine(engine) == engine
+    torch.manual_seed(num_layers * 4 + bidirectional * 2 + batch_first)
+    reference = torch.nn.LSTM(24, 40, num_layers, True, batch_first, 0.0, bidirectional)
+    lstm = LSTM(24, 40, num_layers, True, batch_first, bidirectional)
+    lstm.load_state_dict(reference.state_dict())
+    d = (2 if bidirectional else 1) * num_layers
+    x = torch.randn((11, 7, 24) if batch_first else (7, 11, 24))
+    hx = (torch.randn(d, 11, 40), torch.randn(d, 11, 40))
+    with torch.no_grad():
+        for args in ((x,), (x, hx)):
+            want, (want_h, want_c) = reference(*args)
+            got, (h, c) = lstm(*args)
+            assert max_error(got, want.numpy()) <= TOLERANCE
+            assert max_error(h, want_h.numpy()) <= TOLERANCE
+            assert max_error(c, want_c.numpy()) <= TOLERANCE
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("fork_models", "fork_directions"), [(False, False), (True, True)])
+def test_tutorial_ensemble_matches_scripted_torch(engine, fork_models, fork_directions) -> None:
+    torch = pytest.importorskip("torch")
+    set_lstm_engine(engine)
+    spec = importlib.util.spec_from_file_location("make_golden", FIXTURES / "make_golden.py")
+    tutorial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tutorial)
+    torch.manual_seed(1)
+    scripted = torch.jit.script(tutorial.LSTMEnsemble(4, 32, 32))
+    ens = LSTMEnsemble(4, 32, 32, fork_models=fork_models, fork_directions=fork_directions)
+    ens.load_state_dict(scripted.state_dict())
+    x = torch.rand(9, 10, 32)
+    with torch.no_grad():
+        want = scripted(x).numpy()
+    assert max_error(ens(x.numpy()), want) <= TOLERANCE
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_saturated_gates_reach_their_limits_silently(engine) -> None:
+    # exp overflows to inf on the way: the gates are then exactly 0 or 1, and
+    # numpy's overflow warning is not the user's business.
+    set_lstm_engine(engine)
+    lstm = LSTM(3, 4, seed=0)
+    x = np.array([[[1e4, -1e4, 0.0]], [[-1e4, 1e4, 0.0]], [[0.0, 0.0, 0.0]]], np.float32)
+    out, (_, c_n) = lstm(x)
+    assert np.isfinite(out).all() and np.isfinite(c_n).all()
+    assert (np.abs(out) <= 1).all()
+
+
+# -- the choice -----------------------------------------------------------------
+
+
+def test_numpy_is_the_default_without_onednn(monkeypatch) -> None:
+    def absent() -> str:
+        raise _onednn.OneDNNError("onednn-cpu-gomp is not installed (pip install aiopar[onednn])")
+
+    monkeypatch.setattr(_onednn, "library_path", absent)
+    _onednn.load.cache_clear()
+    try:
+        assert lstm_engine() == "numpy"
+        assert "LSTM engine: numpy (oneDNN not used: onednn-cpu-gomp is not installed" in (
+            aiopar.parallel_info()
+        )
+        assert LSTM(4, 6, seed=0)(np.ones((3, 2, 4), np.float32))[0].shape == (3, 2, 6)
+    finally:
+        _onednn.load.cache_clear()
+
+
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+def test_a_failing_self_test_leaves_numpy_running(monkeypatch, caplog) -> None:
+    real_step = _onednn.OneDNN.step
+
+    def wrong_step(self, weights, ws):
+        step = real_step(self, weights, ws)
+
+        def off_by_a_little(proj_t):
+            step(proj_t)
+            ws.gates[:1, :1] += 1e-3
+
+        return off_by_a_little
+
+    monkeypatch.setattr(_onednn.OneDNN, "step", wrong_step)
+    with caplog.at_level("DEBUG", logger="aiopar"):
+        assert set_lstm_engine("onednn") == "numpy"
+    assert "self-test differs from numpy" in caplog.text
+    assert "self-test differs from numpy" in aiopar.parallel_info()
+
+
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+def test_a_shape_onednn_refuses_runs_on_numpy(monkeypatch) -> None:
+    assert set_lstm_engine("onednn") == "onednn"
+    lstm = LSTM(5, 7, seed=3)
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    expected = lstm(x)[0]
+
+    def refuse(self, weights, ws):
+        raise _onednn.OneDNNError("no primitive for this shape")
+
+    monkeypatch.setattr(_onednn.OneDNN, "step", refuse)
+    np.testing.assert_allclose(lstm(x)[0], expected, atol=TOLERANCE)
+
+
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+def test_auto_keeps_onednn_only_for_a_packed_kernel(monkeypatch) -> None:
+    monkeypatch.setattr(_engine, "_self_test", lambda onednn: "gemm:jit:f32")
+    assert set_lstm_engine("auto") == "numpy"
+    assert "only its generic kernel gemm:jit:f32" in aiopar.parallel_info()
+    monkeypatch.setattr(_engine, "_self_test", lambda onednn: "brg:avx512_core")
+    assert set_lstm_engine("auto") == "onednn"
+    assert "LSTM engine: onednn (oneDNN 3" in aiopar.parallel_info()
+
+
+def test_set_lstm_engine_numpy_forces_numpy() -> None:
+    assert set_lstm_engine("numpy") == "numpy"
+    assert "LSTM engine: numpy (set_lstm_engine('numpy'))" in aiopar.parallel_info()
+
+
+def test_set_lstm_engine_refuses_an_unknown_engine() -> None:
+    with pytest.raises(ValueError, match=r"'auto', 'numpy', 'onednn', got 'mkl'"):
+        set_lstm_engine("mkl")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("numpy", "numpy (AIOPAR_LSTM_ENGINE=numpy)"),
+        ("fastest", "numpy (AIOPAR_LSTM_ENGINE=fastest is not one of auto, numpy, onednn"),
+    ],
+)
+def test_the_environment_variable_chooses(value, said) -> None:
+    done = run_python(
+        """
+        import aiopar, aiopar.nn
+        print(aiopar.nn.lstm_engine())
+        print(aiopar.parallel_info())
+        """,
+        env={**os.environ, "AIOPAR_LSTM_ENGINE": value},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "numpy"
+    assert f"LSTM engine: {said}" in done.stdout
+
+
+def test_parallel_info_says_nothing_of_nn_until_it_is_imported() -> None:
+    done = run_python("import aiopar; print(aiopar.parallel_info())")
+    assert done.returncode == 0, done.stderr
+    assert "LSTM engine" not in done.stdout
