@@ -5,33 +5,35 @@ workers run forked tasks side by side, *intra-op* threads split one operation
 (BLAS and OpenMP threads, set through threadpoolctl, plus the helpers of
 ``parallel_for``). Every rule that keeps interop x intra-op within the cores
 is stated here, and the token counts and library settings they make are
-kept here; each thread's standing (rule 2, its slot) and the occupancy hook
-the pools report to are in ``_budget_slots``, the calls that read and set a
-library's count in ``_budget_libraries``. Every rule reads the time from
-``clock``, which tests replace:
+kept here, with the calls that read and set each library's count; each
+thread's standing (rule 2, its slot) and the occupancy hook the pools report
+to are in ``_budget_slots``. Every rule reads the time from ``clock``, which
+tests replace:
 
 1. **The count.** Explicit (``set_num_threads``, or a thread-count
    environment variable at import) and then kept whatever runs; otherwise
    ``cores // k`` while k threads count, never below 1, and every core while
    at most one counts.
-2. **Who counts.** A thread counts once, however its tasks nest, while it is
-   not blocked in ``wait`` and either runs a task (a pool worker, or a waiter
-   that runs another thread's task itself) or is a thread outside the pools
-   whose forks run on workers (it computes beside them). A fork its forker
-   runs itself changes nothing. A pool worker that goes from one task
-   straight to a queued one counts on in between. Each chunk of a running
-   ``parallel_for`` counts.
-3. **A forker counts from the fork.** A fork for which an idle worker is
-   woken holds a token from the fork on, so its forker's next BLAS call
-   already leaves the cores the fork will use, and the forker counts beside
-   it from then. If its forker, or a thread that counts already, runs the
-   fork instead, the token comes back: at once, or, while other tasks are
-   queued, as the woken worker starts one of them and counts in its place
-   (the libraries keep the share in between). A thread that waited within
-   ``WAITS_AT_ONCE`` seconds of its last fork, with no other fork out, is
-   taken to fork and wait, not to compute beside its forks: it counts for
-   its forks only once it runs one of them itself, or computes longer than
-   that before a wait again. So
+2. **Who counts.** The pools report transitions, not tasks (the occupancy
+   hook of ``_budget_slots``). A pool's worker counts for a spell of work:
+   from its first task after it was woken (or from its wake-up, below) until
+   it finds no task and sleeps again, however many tasks it runs back to
+   back, except while it is blocked in ``wait``. A thread outside the pools
+   counts while it runs a task another thread forked (a waiter that runs it
+   itself), and beside its own forks (rule 3). A fork that wakes no worker,
+   and a fork its forker runs itself, change nothing. Each chunk of a
+   running ``parallel_for`` counts.
+3. **A forker counts from the fork.** A thread outside the pools that
+   computes beside its forks counts from a fork that wakes a worker, and
+   that worker with it, so the forker's next BLAS call already leaves the
+   cores the fork will use. It stops when it blocks in ``wait``, or when the
+   pool it forked on has no worker busy. It also starts to count when it
+   runs one of its forks itself while a worker runs another (or a worker
+   woken for another has yet to start). A thread that waits (or runs its
+   fork itself) within ``WAITS_AT_ONCE`` seconds of a fork that woke a
+   worker, with no other woken worker still to start, is taken to fork and
+   wait, not to compute beside its forks: it counts for its forks again
+   only once it has computed longer than that before a wait. So
    ``fork(f).wait()`` changes no library setting, whichever thread runs ``f``.
 4. **Threads come back late.** The libraries get fewer threads as soon as
    more threads count, but more only once nothing counts, or when a thread
@@ -40,7 +42,7 @@ library's count in ``_budget_libraries``. Every rule reads the time from
    Even then, no sooner than ``COME_BACK_AFTER`` after more than one thread
    last counted: a timer gives them back then. Only a share nothing used
    comes back at once: a forker's that waited within ``WAITS_AT_ONCE`` of
-   counting for its forks, and a fork's token that no queued task will use
+   counting for its forks, and a woken worker's that found no task to run
    (rule 3). OpenBLAS's threads spin for about 0.1 s after a call, so more
    threads for a short spell (a stream of short tasks, the short tail of a
    fork, the moment between two rounds of forks) would leave spinning
@@ -78,10 +80,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from . import _waiter
-from ._budget_libraries import limiting_thread, process_wide_getter, process_wide_setter
 from ._checks import check_count
 
 __all__ = [
@@ -154,6 +155,54 @@ def threads_from_env() -> tuple[int | None, str | None, list[str]]:
             return n, name, ignored
         ignored.append(f"{name}={value!r} is ignored: it is not a whole number >= 1")
     return None, None, ignored
+
+
+# -- the libraries: threadpoolctl's handles, and the cheapest calls that read
+# and set each library's thread count ----------------------------------------
+
+
+def process_wide_setter(lib: Any) -> Callable[[int], Any]:
+    """The cheapest call that sets a process-wide library's thread count.
+
+    For OpenBLAS that is its own C function, reached through threadpoolctl's
+    handle on the library (``dynlib``, and the symbol names of its
+    ``check_symbols``: the threadpoolctl versions this relies on are pinned
+    in pyproject.toml and a test fails if they change). threadpoolctl's
+    method lets only one thread (the first that calls it) change OpenBLAS and
+    ignores the others, while the budget changes it from whichever thread
+    starts or ends a task; the C function also costs a third of the method.
+    """
+    if lib.internal_api == "openblas":
+        for get_symbol in type(lib).check_symbols:
+            name = get_symbol.replace("_get_", "_set_")
+            setter: Callable[[int], Any] | None = getattr(lib.dynlib, name, None)
+            if setter is not None:
+                return setter
+    return cast("Callable[[int], Any]", lib.set_num_threads)
+
+
+def process_wide_getter(lib: Any) -> Callable[[], Any]:
+    """The cheapest call that reads a process-wide library's thread count:
+    OpenBLAS's own C function (the one threadpoolctl checks for), else
+    threadpoolctl's property."""
+    if lib.internal_api == "openblas":
+        for get_symbol in type(lib).check_symbols:
+            getter: Callable[[], Any] | None = getattr(lib.dynlib, get_symbol, None)
+            if getter is not None:
+                return getter
+    return lambda: lib.num_threads
+
+
+def limiting_thread(lib: Any) -> threading.Thread | None:
+    """The thread inside a ``threadpool_limits`` block on ``lib``, if
+    threadpoolctl says: it does for OpenBLAS with pthreads, the one library
+    whose limits it lets only one thread set (``_SHARED_STATE``, private;
+    a test fails if a threadpoolctl release moves it)."""
+    shared = getattr(type(lib), "_SHARED_STATE", None)
+    thread = getattr(shared, "controlling_thread", None)
+    if isinstance(thread, threading.Thread) and thread.is_alive():
+        return thread
+    return None
 
 
 #: the time every rule reads, in seconds; tests replace it to step time by hand

@@ -1,10 +1,17 @@
 """Each thread's standing in the thread budget (rule 2 of ``aiopar._budget``),
 and the occupancy hook through which the pools report to it.
 
-The pools call the hook with fork, busy, idle and wait events. It is
-``None`` until threadpoolctl finds a BLAS or OpenMP library in the process
-(:func:`probe` looks, off the fork path): a pure-Python fork pays one
-attribute check for the budget, and nothing else.
+The pools report transitions, not tasks: a worker woken for work (idle to
+busy), a worker that finds no task (busy to idle), a pool with no worker
+busy, and, through the waiter protocol, a thread that blocks in ``wait``
+and resumes. A task that follows another on the same worker and a fork that
+wakes no worker report nothing. The hook is ``None`` until threadpoolctl
+finds a BLAS or OpenMP library in the process (:func:`probe` looks, off the
+fork path): until then a fork pays one attribute check for the budget.
+
+The hook's methods that a plain ``fork(f).wait()`` passes through make no
+further Python call unless the libraries' count must change: the token
+count and the share are read inline.
 """
 
 from __future__ import annotations
@@ -12,16 +19,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections import deque
+from collections.abc import Callable
 
 from . import _budget, _waiter
 from ._budget import budget
-from ._loop import on_event_loop
 
 __all__ = ["Occupancy", "Slot", "hook", "probe", "this_thread", "use_slot"]
 
 
-#: a thread that waits this soon after its last fork is not computing beside it
+#: a thread that waits this soon after a fork that woke a worker forks and waits (rule 3)
 WAITS_AT_ONCE = 0.001
 
 
@@ -29,219 +35,199 @@ class Slot:
     """One thread's standing in the budget (rule 2), and the waiter of a
     thread outside the pools.
 
-    A slot holds one token while it counts. Its own thread calls
-    :meth:`task_started` / :meth:`task_ended` around each task it runs,
-    :meth:`went_idle` when it finds no task (a pool's worker) and, through
-    the waiter protocol, :meth:`blocked` / :meth:`blocked_long` /
-    :meth:`resumed`; a pool calls :meth:`forked` in the thread that forks a
-    task, and :meth:`fork_taken` and :meth:`fork_finished` on that thread's
-    slot from the thread that runs it.
-
-    Only a slot's own thread writes its counters; other threads set
-    ``elsewhere`` and ``sharing``. A transition that may change whether the
-    slot counts recounts under ``lock``; one that cannot (the common case,
-    task after task) takes no lock.
+    A slot holds one token while it counts: while it is ``busy`` (a pool's
+    worker from its wake-up to going idle; a thread outside the pools while
+    it runs another thread's task) or ``sharing`` (a thread outside the
+    pools beside its forks, rule 3), and not blocked in ``wait``. A worker's
+    slot is written by its own thread, or by the thread that wakes it while
+    it sleeps; another thread may end a slot's ``sharing`` (its pool went
+    quiet), so a change of ``counted`` outside a worker takes ``lock``.
     """
 
     __slots__ = (
         "anticipates",
+        "busy",
         "counted",
         "counted_since",
-        "elsewhere",
         "forked_at",
-        "forks",
         "is_blocked",
         "is_worker",
         "lock",
-        "running",
-        "running_own",
+        "ran",
         "sharing",
+        "wakes",
+        "woken_by",
     )
 
     def __init__(self, is_worker: bool) -> None:
         self.lock = threading.Lock()
         self.is_worker = is_worker
-        self.running = 0  # tasks this thread runs that count (nested ones too)
-        self.running_own = 0  # forks of its own it runs (they count only beside others)
-        # One item per fork of this thread not finished (nor cancelled) yet:
-        # forks append and finishing threads pop, both atomic without a lock.
-        self.forks: deque[None] = deque()
-        self.elsewhere = False  # another thread started one of them
-        self.sharing = False  # it counts for its forks (rule 3)
-        self.anticipates = True  # rule 3: it computes beside its forks
-        self.forked_at = 0.0
+        self.busy = 0  # a worker: 1 from its wake-up to going idle; else tasks it runs
+        self.sharing = False  # it counts beside its forks (rule 3)
         self.is_blocked = False
-        self.counted = False
+        self.counted = False  # it holds a token
         self.counted_since = 0.0
+        self.ran = False  # a worker ran a task since its wake-up
+        self.woken_by: Slot | None = None  # a worker: the forker that woke it (rule 3)
+        # Rule 3: whether it computes beside its forks, as far as it has
+        # shown, and the time of its last fork that woke a worker until it
+        # next waits.
+        self.anticipates = True
+        self.forked_at: float | None = None
+        # The workers woken for its forks that have not started a task yet,
+        # and whose forks it has not run itself (set.add and set.discard are
+        # atomic: the woken worker's thread discards too).
+        self.wakes: set[Slot] = set()
 
-    def _recount(self, reserved: bool = False, *, unused: bool = False) -> bool:
-        # Called with self.lock held. ``reserved``: a token the task that
-        # starts here took at its fork, which this thread takes over if it
-        # starts counting now; returns whether it did. ``unused``: if it
-        # stops counting, its share was never used (rule 4 does not wait).
-        counts = (self.sharing or self.running > 0) and not self.is_blocked
+    def _recount(self, *, unused: bool = False) -> None:
+        # Called with self.lock held, or by a worker's own thread. ``unused``:
+        # if it stops counting, its share was never used (rule 4 does not wait).
+        counts = (self.sharing or self.busy > 0) and not self.is_blocked
         if counts != self.counted:
             self.counted = counts
             if counts:
                 self.counted_since = _budget.clock()
-                if reserved:
-                    return True
                 budget.take()
             else:
                 budget.give_back(now=unused)
-        return False
 
-    # -- a task runs in this slot's thread --
+    # -- rule 3: a thread outside the pools beside its forks --
 
-    def task_started(self, reserved: bool, forker: Slot | None, *, queued: bool = False) -> None:
-        """This thread starts a task (forked by ``forker``, a thread outside
-        the pools, or None); ``reserved`` if it holds a token from its fork,
-        ``queued`` if other tasks wait in its pool's queue."""
-        if forker is self:  # it waits for its own fork, and runs it
-            self._waits()
-            if reserved:
-                _reserved_not_needed(queued)
-            self.running_own += 1
-            if self.elsewhere and not self.sharing:  # it computes beside its other forks after all
-                with self.lock:
-                    self._share(anyway=True)
+    def share(self) -> None:
+        """It forked, waking a worker, and computes beside the fork: it counts."""
+        with self.lock:
+            if not self.sharing:
+                self.sharing = True
+                self._recount()
+
+    def stop_sharing(self, *, unused: bool = False) -> None:
+        """Its forks need no room any more: it stops counting for them."""
+        with self.lock:
+            if self.sharing:
+                self.sharing = False
+                self._recount(unused=unused)
+
+    def _waits(self, pending: int = 1) -> bool:
+        """It waits: rule 3 learns whether it forks and waits at once, which
+        it returns: within WAITS_AT_ONCE of its last fork that woke a worker,
+        no more than ``pending`` woken workers have yet to start a task
+        (the one woken for what it waits for, if it has not run that itself).
+        A share it took at that fork and never used comes back at once."""
+        forked_at = self.forked_at
+        self.forked_at = None
+        at_once = False
+        if forked_at is not None:
+            now = _budget.clock()
+            at_once = len(self.wakes) <= pending and now - forked_at < WAITS_AT_ONCE
+            self.anticipates = not at_once
+            if self.sharing:
+                self.stop_sharing(unused=at_once and now - self.counted_since < WAITS_AT_ONCE)
+        elif self.sharing:
+            self.stop_sharing()
+        return at_once
+
+    # -- a pool's worker: a spell of work from its wake-up to going idle --
+
+    def first_task(self) -> None:
+        """This worker starts the first task of its spell of work: it counts
+        from now, if it does not already (rule 2)."""
+        self.ran = True
+        woken_by = self.woken_by
+        if woken_by is not None:
+            self.woken_by = None
+            woken_by.wakes.discard(self)
+        if self.counted or hook is None:
             return
-        self.running += 1
-        # A thread that counts already (it is not blocked: it runs this task)
-        # goes on counting.
-        if reserved or not self.counted:
-            with self.lock:
-                took_over = self._recount(reserved)
-            if reserved and not took_over:
-                _reserved_not_needed(queued)
-        if forker is not None:
-            forker.fork_taken()
+        now = _budget.clock()
+        self.counted, self.counted_since = True, now
+        tokens = budget.tokens
+        tokens.append(None)  # budget.take(), inline: a plain fork(f).wait() passes here
+        running = len(tokens)
+        if running > 1:
+            budget.crowded_at = now
+        if budget.explicit is None:
+            shares = budget.shares
+            if (shares[running] if running < len(shares) else 1) != budget.applied:
+                budget.follow()
         if budget.per_thread:
             budget.apply_here()
 
-    def task_ended(self, forker: Slot | None, *, linger: bool = False) -> None:
-        """The task started by the matching :meth:`task_started` ended.
-
-        With ``linger`` (tasks are queued) a pool's worker keeps counting
-        until its next transition, which :meth:`went_idle` guarantees, so a
-        stream of tasks does not take and give back a token for each one.
-        Any other thread stops counting at once.
-        """
-        if forker is self:
-            self.running_own -= 1
-            self.fork_finished()
+    def end_spell(self) -> None:
+        """This worker, woken by :meth:`Occupancy.woke`, found no task and is
+        idle again, or stops. Called in its own thread under its pool's lock,
+        before a thread that wakes it may start another spell. Its token, if
+        it counted, comes back: at once if it ran no task since its wake-up,
+        else as rule 4 says."""
+        self.busy = 0
+        woken_by = self.woken_by
+        if woken_by is not None:
+            self.woken_by = None
+            woken_by.wakes.discard(self)
+        if not self.counted:
             return
-        if forker is not None:
-            forker.fork_finished()
-        self.running -= 1
-        if not (linger and self.is_worker):
-            self._stop_unless_running()
-
-    def went_idle(self) -> None:
-        """This thread, a pool's worker, found no task to run."""
-        if self.counted and not self.running:
-            self._stop_unless_running()
-        else:
-            # It never counted: it was woken for a fork that another thread
-            # ran, and the others queued then had been run too (rule 3), so
-            # the share kept for it goes.
-            budget.follow()
-
-    def _stop_unless_running(self) -> None:
-        with self.lock:
-            self._recount()
-            idle = not self.counted
-        if idle and budget.per_thread:
+        self.counted = False
+        tokens = budget.tokens
+        tokens.pop()  # budget.give_back(), inline: a plain fork(f).wait() passes here
+        ran = self.ran
+        if not tokens or not ran:
+            running = len(tokens)
+            shares = budget.shares
+            if (shares[running] if running < len(shares) else 1) != budget.applied:
+                budget.follow(now=not ran)
+        if budget.per_thread:
             budget.restore_here()
 
-    # -- forks made by this slot's thread (a thread outside the pools) --
+    # -- rule 2: a thread outside the pools runs another thread's task --
 
-    def forked(self, woken: bool) -> None:
-        """This thread forked a task; ``woken`` if an idle worker was woken for it."""
-        self.forks.append(None)
-        self.forked_at = _budget.clock()
-        if woken and self.anticipates and not self.sharing:
+    def task_started(self) -> None:
+        self.busy += 1
+        if not self.counted:
             with self.lock:
-                self._share()
+                self._recount()
+        if budget.per_thread:
+            budget.apply_here()
 
-    def fork_taken(self) -> None:
-        """Another thread started one of this thread's forks."""
-        # Nothing changes once it is known to count for its forks, or known
-        # not to (it forks and waits, and runs none of them itself).
-        if self.elsewhere and (self.sharing or not (self.anticipates or self.running_own)):
-            return
-        with self.lock:
-            self.elsewhere = True
-            self._share(anyway=self.running_own > 0)
-
-    def _share(self, anyway: bool = False) -> None:
-        # Called with self.lock held.
-        if (anyway or self.anticipates) and not self.sharing:
-            self.sharing = True
-            self._recount()
-
-    def fork_finished(self) -> None:
-        """One of this thread's forks ended, or was cancelled before it started."""
-        forks = self.forks
-        forks.pop()
-        if not forks:
+    def task_ended(self) -> None:
+        self.busy -= 1
+        if not self.busy and self.counted and not self.sharing:
             with self.lock:
-                if not forks:  # no fork came meanwhile
-                    self.elsewhere = False
-                    if self.sharing:
-                        self.sharing = False
-                        self._recount(unused=self._forked_and_waited())
-
-    def _forked_and_waited(self) -> bool:
-        """Whether it counts only for its forks (rule 3), and has for less than
-        WAITS_AT_ONCE: it forked and waited, and never used its share."""
-        return not self.running and _budget.clock() - self.counted_since < WAITS_AT_ONCE
-
-    def _waits(self) -> None:
-        """This thread waits for a future: rule 3 learns how it forks. Only
-        a wait at once with a single fork out is ``fork(f).wait()``: a thread
-        with several forks out goes on to run some of them itself."""
-        forks = len(self.forks)
-        if forks:
-            self.anticipates = forks > 1 or _budget.clock() - self.forked_at >= WAITS_AT_ONCE
+                self._recount()
+            if budget.per_thread:
+                budget.restore_here()
 
     # -- the waiter protocol: this slot's thread blocks in Future.wait --
 
-    def _idle(self) -> bool:
-        # Nothing of this thread counts, or can start to while it waits: no
-        # task of its own runs and none of its forks is out (so no other
-        # thread touches this slot), as for an event loop's thread.
-        return not (self.counted or self.running or self.forks)
-
     def blocked(self) -> None:
-        if self._idle():
-            self.is_blocked = True
+        counted, since = self.counted, self.counted_since
+        if self.sharing:
+            self._waits()
+        elif self.forked_at is not None:  # self._waits(), inline: once per fork and wait
+            forked_at, self.forked_at = self.forked_at, None
+            self.anticipates = not (
+                len(self.wakes) <= 1 and _budget.clock() - forked_at < WAITS_AT_ONCE
+            )
+        self.is_blocked = True
+        if not counted:
             return
-        self._waits()
-        with self.lock:
-            counted, since = self.counted, self.counted_since
-            self.is_blocked = True
-            self._recount(unused=self._forked_and_waited())
-        if counted and _budget.clock() - since < _waiter.BLOCKED_LONG:
+        if self.is_worker:
+            self._recount()
+        elif self.counted:
+            with self.lock:
+                self._recount()
+        if _budget.clock() - since < _waiter.BLOCKED_LONG:
             budget.follow()  # it waits at once: its cores go to what it waits for
 
     def blocked_long(self) -> None:
         budget.follow()
 
     def resumed(self) -> None:
-        if self._idle():
-            self.is_blocked = False
-            return
-        with self.lock:
-            self.is_blocked = False
-            self._recount()
-
-
-def _reserved_not_needed(queued: bool) -> None:
-    """Give back the token of a fork whose woken worker did not run it (its
-    forker, or another thread that counts already, did). At once, unless
-    other tasks are queued: that worker takes one of them, and counts."""
-    budget.give_back(now=not queued)
+        self.is_blocked = False
+        if self.busy or self.sharing:
+            if self.is_worker:
+                self._recount()
+            else:
+                with self.lock:
+                    self._recount()
 
 
 _local = threading.local()  # .slot: this thread's Slot
@@ -264,42 +250,66 @@ def use_slot(slot: Slot) -> None:
 
 
 class Occupancy:
-    """The budget's ear on the pools: each method is an event a pool reports.
+    """The budget's ear on the pools: each method is a transition a pool reports.
 
-    Installed as :data:`hook` once a BLAS or OpenMP library is loaded; a
-    pool reads ``hook`` once per event and, where an event has a matching end
-    (a task that starts and ends), reports the end to the hook it reported
-    the start to.
+    Installed as :data:`hook` once a BLAS or OpenMP library is loaded. A
+    worker whose wake-up was reported reports its first task and the end
+    of its spell of work to its slot (:meth:`Slot.first_task`,
+    :meth:`Slot.end_spell`), whatever the hook is by then.
     """
 
-    def forked(self, woken: bool, forker_counts: bool) -> Slot | None:
-        """A task was forked, in the forking thread, under its pool's lock;
-        ``woken`` if an idle worker was woken (or started) for it, which
-        holds a token from now on (rule 3). Returns the forker's slot if it
-        counts beside the fork: a thread outside the pools that is not an
-        event loop's, if ``forker_counts``."""
-        if woken:
-            budget.take()
-        if not forker_counts or on_event_loop():
+    def woke(self, worker: Slot, forker_counts: bool) -> Slot | None:
+        """An idle worker was woken (or started) for queued work; called
+        under its pool's lock, while the worker cannot run. Its spell of work
+        begins: it counts from its first task (:meth:`Slot.first_task`), or
+        from now if its forker computes beside its forks (rule 3): then that
+        thread counts from now too, and its slot is returned, for
+        :meth:`pool_quiet`. ``forker_counts``: the calling thread forked that
+        work and is a thread outside the pools that is not an event loop's."""
+        worker.busy, worker.ran = 1, False
+        if not forker_counts:
             return None
+        forker = _local.__dict__.get("slot") or this_thread()
+        forker.wakes.add(worker)
+        worker.woken_by = forker
+        forker.forked_at = now = _budget.clock()
+        if not forker.anticipates:
+            return None
+        worker.counted, worker.counted_since = True, now
+        budget.take()
+        if forker.sharing:
+            return None
+        forker.share()
+        return forker
+
+    def pool_quiet(self, sharers: list[Slot]) -> None:
+        """A pool has no worker busy: the threads that counted beside their
+        forks on it stop (rule 3)."""
+        for slot in sharers:
+            slot.stop_sharing()
+
+    def runs_other_task(self) -> Slot:
+        """A thread outside the pools runs a task another thread forked, in
+        ``wait``: it counts until :meth:`Slot.task_ended`."""
         slot = this_thread()
-        if slot.is_worker:
-            return None
-        slot.forked(woken)
+        slot.task_started()
         return slot
 
-    def busy(self, reserved: bool, forker: Slot | None, *, queued: bool) -> Slot:
-        """This thread starts a task; returns its slot, for :meth:`Slot.task_ended`."""
+    def runs_own_fork(self, woken: Slot | None, beside: Callable[[], bool]) -> Slot | None:
+        """A thread outside the pools runs one of its forks in ``wait``: one
+        for which the worker ``woken`` was woken, or any while it does not
+        count beside its forks. It counts from now if another worker woken
+        for its forks has yet to start (it runs this one beside that), or if
+        ``beside()`` says a worker runs a task beside it: then its slot is
+        returned, for :meth:`pool_quiet`."""
         slot = this_thread()
-        slot.task_started(reserved, forker, queued=queued)
+        if woken is not None:
+            slot.wakes.discard(woken)  # that worker will not run this fork
+            slot._waits(pending=0)
+        if slot.sharing or not (slot.wakes or beside()):
+            return None
+        slot.share()
         return slot
-
-    def cancelled(self, forker: Slot | None, reserved: bool) -> None:
-        """A task that never ran gives back what its fork took."""
-        if forker is not None:
-            forker.fork_finished()
-        if reserved:
-            budget.give_back(now=True)
 
 
 #: the occupancy hook: None until a BLAS or OpenMP library is loaded

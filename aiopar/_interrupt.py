@@ -15,8 +15,10 @@ A leaf module: it imports nothing of aiopar.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from threading import get_ident
 from typing import Protocol
 
 __all__ = ["SLICE", "acquire", "join", "on_main_thread"]
@@ -31,13 +33,29 @@ class _Lock(Protocol):
 
 def on_main_thread() -> bool:
     """Whether the calling thread is the one that runs signal handlers."""
-    return threading.current_thread() is threading.main_thread()
+    return get_ident() == _main_thread
+
+
+# The id of the thread that runs signal handlers, read at import and after
+# os.fork() (the forking thread is the child's main thread): a compare of
+# ids costs none of the calls current_thread() and main_thread() make.
+_main_thread = threading.main_thread().ident
+
+
+def _after_fork_in_child() -> None:
+    # threading registered its own after-fork handler first, which has made
+    # this thread the child's main thread.
+    global _main_thread
+    _main_thread = threading.main_thread().ident
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire(lock: _Lock, timeout: float | None = None) -> bool:
     """``lock.acquire(True, timeout)``, ``None`` meaning no limit, that a
     KeyboardInterrupt ends on the main thread; True if the lock was acquired."""
-    if not on_main_thread():
+    if get_ident() != _main_thread:  # on_main_thread(), inline: once per blocking wait
         return lock.acquire(True, -1 if timeout is None else timeout)
     if timeout is None:
         while not lock.acquire(True, SLICE):

@@ -242,9 +242,10 @@ def test_task_group_waits_for_all():
 
 def test_task_group_first_failure_cancels_unstarted_and_is_raised():
     ran = []
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
 
     def fail():
+        started.set()
         gate.wait(5)
         raise ValueError("first")
 
@@ -255,6 +256,9 @@ def test_task_group_first_failure_cancels_unstarted_and_is_raised():
     ):
         tg.fork(fail)
         later = [tg.fork(ran.append, i) for i in range(5)]
+        # The pool's one worker runs it: this thread, which would otherwise run
+        # it itself as it waits, leaves the others queued behind it.
+        assert started.wait(5)
         gate.set()
     assert ran == []
     assert all(f.cancelled() for f in later)

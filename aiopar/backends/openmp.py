@@ -15,12 +15,12 @@ from typing import Any
 
 from .._future import Future
 from .._waiter import get_waiter
-from .thread import ThreadBackend, _BudgetedTask
+from .thread import PoolTask, ThreadBackend
 
 __all__ = ["OpenMPBackend"]
 
 
-class _LaneTask(_BudgetedTask):
+class _LaneTask(PoolTask):
     """A task only the lane (or its stand-in) runs: a thread outside the
     pool that waits for it blocks instead of running it in place beside the
     lane, out of order."""

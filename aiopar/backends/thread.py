@@ -25,88 +25,87 @@ import itertools
 import os
 import threading
 import weakref
+from asyncio import _get_running_loop
+from threading import get_ident
 from typing import Any, ClassVar
 
+import sniffio
+
 from .. import _budget, _budget_slots, _interrupt
-from .._budget_slots import Slot, probe, use_slot
-from .._future import CANCELLED, Future
+from .._budget_slots import Occupancy, Slot, probe, use_slot
+from .._future import Future
 from .._waiter import set_waiter
 from ._base import Backend, Task, check_count
 
-__all__ = ["COMPENSATION_LIMIT", "ThreadBackend"]
+__all__ = ["COMPENSATION_LIMIT", "PoolTask", "ThreadBackend"]
 
 #: workers a pool may add beyond ``max_workers`` while others are blocked in ``wait``
 COMPENSATION_LIMIT = 64
 
 _backend_ids = itertools.count(1)
+_sniffio_thread = sniffio.thread_local
 
 # .worker: the _Worker running in this thread, if it is a pool's worker
 _current = threading.local()
 
 
-class _BudgetedTask(Task):
-    """A task of an in-process pool, which reports to the budget's occupancy
-    hook while it has one: its thread's slot counts it while it runs.
-    ``forker`` is the slot of the thread outside the pools that forked it
-    (it counts beside the task), ``reserved`` is true if the task holds a
-    budget token from its fork (an idle worker was woken for it)."""
+class PoolTask(Task):
+    """A task of an in-process pool. ``forker`` is the id of the thread that
+    forked it, ``reserved`` the worker its fork woke, if any: a thread that
+    runs it in ``wait`` tells the budget's occupancy hook what that means
+    (rule 2 and 3 of ``aiopar._budget``). A pool's worker accounts for its
+    whole spell of tasks instead, and runs each with :meth:`run_on_worker`."""
 
     __slots__ = ("forker", "reserved")
     backend: ThreadBackend
-    forker: Slot | None
-    reserved: bool
+    forker: int
+    reserved: _Worker | None
     stealable = True  # in-process: a waiter may run it
 
+    run_on_worker = Task.run
+
     def run(self) -> None:
+        """Run the task in a thread that waits for it (unless it was cancelled,
+        or another thread claimed it first)."""
         future = self.claim()
         if future is None:
-            self.release_budget()  # if it was cancelled
             return
         occupancy = _budget_slots.hook
-        if occupancy is None:  # no BLAS or OpenMP library: nothing to count
-            self.settle(future, self.call())
-            del future  # no cycle, as below
-            return
-        forker, self.forker = self.forker, None
-        reserved, self.reserved = self.reserved, False
-        pool = self.backend
-        # This task may still be in a queue, the one a waiter took out of turn.
-        slot = occupancy.busy(reserved, forker, queued=reserved and pool._backlog() > 1)
+        slot = None
+        if occupancy is not None and _current.__dict__.get("worker") is None:
+            ident = get_ident()
+            if self.forker != ident:
+                slot = occupancy.runs_other_task()
+            else:
+                sharer = self.backend._sharers.get(ident)
+                woken = self.reserved
+                if woken is not None or sharer is None or not sharer.sharing:
+                    self.backend._runs_own_fork(occupancy, woken, ident)
         try:
             outcome = self.call()
         finally:
-            # Uncounted before the future settles, so a waiter resumes with
-            # the right count, unless a worker goes on to a queued task.
-            slot.task_ended(forker, linger=bool(pool._tasks) or any(pool._queues))
+            if slot is not None:
+                slot.task_ended()
         self.settle(future, outcome)
         del future, outcome  # a failure's traceback holds this frame: no cycle (see Future)
 
-    def release_budget(self) -> None:
-        """If the task was cancelled, give back what it holds in the budget;
-        once, of all the threads that find it so (its worker, a waiter, shutdown)."""
-        future = self.future
-        if future is None or not future.cancelled():  # it runs, or ran, elsewhere
-            return
-        with future._lock:
-            forker, self.forker = self.forker, None
-            reserved, self.reserved = self.reserved, False
-        occupancy = _budget_slots.hook
-        if occupancy is not None:  # it is, if the fork took anything
-            occupancy.cancelled(forker, reserved)
-
 
 class _Worker:
-    """One worker thread: its deque of forks, the waiter its pool registers
-    in it, and what it runs."""
+    """One worker thread: its deque of forks, the lock it sleeps on while
+    idle, its standing in the budget, and what it runs."""
 
-    __slots__ = ("forks", "pool", "slot", "task", "thread")
+    __slots__ = ("forks", "pool", "slot", "task", "thread", "wake_up")
 
     def __init__(self, pool: ThreadBackend) -> None:
         self.pool = pool
         # Tasks forked in this thread: it pops the newest, thieves the oldest.
-        self.forks: collections.deque[_BudgetedTask] = collections.deque()
+        self.forks: collections.deque[PoolTask] = collections.deque()
         self.slot = Slot(is_worker=True)
         self.task: Task | None = None  # the task it runs now, for exit reports
+        # Held while it runs; it sleeps on it while idle, released by the
+        # thread that wakes it. One lock per worker wakes exactly one.
+        self.wake_up = threading.Lock()
+        self.wake_up.acquire()
         self.thread = threading.Thread(
             target=pool._work,
             args=(self,),
@@ -119,16 +118,22 @@ class _Worker:
         are still queued, newest first, until ``fut`` is done or none is left.
         What it waits for is among them unless another worker stole it."""
         forks = self.forks
-        while forks and fut._state < CANCELLED:
+        while forks and not fut.done():
             try:
                 task = forks.pop()
             except IndexError:  # a thief took the last one
                 return
             task.run()
 
+    def end_spell(self) -> None:
+        """It stops: its spell of work in the budget ends, if it had one.
+        Called with its pool's lock held."""
+        if self.slot.busy:
+            self.slot.end_spell()
+
     def blocked(self) -> None:
         probe()
-        if _budget_slots.hook is not None:
+        if self.slot.counted:
             self.slot.blocked()
         self.pool._worker_blocked()
 
@@ -138,7 +143,7 @@ class _Worker:
 
     def resumed(self) -> None:
         self.pool._worker_resumed()
-        if self.slot.is_blocked:  # the hook was there when it blocked
+        if self.slot.is_blocked:  # it counted when it blocked
             self.slot.resumed()
 
 
@@ -150,7 +155,7 @@ class ThreadBackend(Backend):
     """
 
     name = "thread"
-    task_class = _BudgetedTask
+    task_class = PoolTask
     #: whether a thread outside the pools counts beside its forks while it
     #: does not wait (rule 3 of ``aiopar._budget``)
     forker_counts: ClassVar[bool] = True
@@ -166,22 +171,25 @@ class ThreadBackend(Backend):
 
     def _reset(self) -> None:
         """The state of a pool with no worker (also a fresh start in a forked child)."""
-        self._tasks: collections.deque[_BudgetedTask] = collections.deque()  # the shared queue
+        self._tasks: collections.deque[PoolTask] = collections.deque()  # the shared queue
         # The workers' own deques, for thieves; replaced, never changed, so
         # it is read without the lock.
-        self._queues: tuple[collections.deque[_BudgetedTask], ...] = ()
+        self._queues: tuple[collections.deque[PoolTask], ...] = ()
         # Each idle worker sleeps on a lock of its own, so a fork wakes exactly
         # one worker (a shared queue's lock wakes a second one that finds
         # nothing to do). The one idle longest goes first: waking the one that
         # has only just gone to sleep made a sequential `await fork(f)` twice
         # as slow on a 2-core VM.
-        self._idle: collections.deque[threading.Lock] = collections.deque()
+        self._idle: collections.deque[_Worker] = collections.deque()
         self._waking = 0  # idle workers woken that have not looked at the queues yet
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)  # notified for drain()
         self._draining = 0  # threads in drain()
         self._workers: set[_Worker] = set()
         self._blocked = 0  # workers waiting in Future.wait
+        # Threads outside the pools that count beside their forks on this pool
+        # (rule 3 of aiopar._budget), by thread id: they stop once no worker is busy.
+        self._sharers: dict[int, Slot] = {}
         self._thread_ids = itertools.count()  # names stay unique as workers come and go
 
     @property
@@ -194,8 +202,8 @@ class ThreadBackend(Backend):
         return len(self._tasks) + sum(map(len, self._queues))
 
     def submit(self, task: Task) -> None:
-        if not isinstance(task, _BudgetedTask):
-            raise TypeError(f"{type(self).__name__} runs {_BudgetedTask.__name__}s only")
+        if not isinstance(task, PoolTask):
+            raise TypeError(f"{type(self).__name__} runs {PoolTask.__name__}s only")
         # Not getattr(_current, "worker", None): on a thread-local, a missing
         # attribute costs an AttributeError raised and caught, ten times this.
         worker: _Worker | None = _current.__dict__.get("worker")
@@ -220,40 +228,68 @@ class ThreadBackend(Backend):
                 )
                 # No more wake-ups than queued tasks.
                 and (not self._waking or self._backlog() >= self._waking)
-                and self._wake_worker()
+                and self._wake_worker(forked_here=worker is None)
             )
-            occupancy = _budget_slots.hook
-            if occupancy is None:
-                task.forker, task.reserved = None, False
-            else:  # before a worker can finish the task
-                # A worker counts already, and so does not count for a fork.
-                counts = worker is None and self.forker_counts
-                task.forker, task.reserved = occupancy.forked(woken, counts), woken
+            task.forker, task.reserved = get_ident(), woken or None
             queue.append(task)
 
-    def _wake_worker(self) -> bool:
-        """Wake an idle worker, or start one if the pool is below its limit;
-        False if neither can be done. Called with self._lock held."""
-        if self._idle:
-            self._idle.popleft().release()
-            self._waking += 1
-            return True
-        running = len(self._workers) - self._blocked
-        if running >= self.max_workers or len(self._workers) >= (
+    def _wake_worker(self, forked_here: bool = False) -> _Worker | None:
+        """Wake an idle worker, or start one if the pool is below its limit,
+        for queued work, and return it; None if neither can be done.
+        ``forked_here``: the calling thread, outside the pools, forked that
+        work. Called with self._lock held."""
+        asleep = bool(self._idle)
+        if asleep:
+            worker = self._idle.popleft()
+        elif len(self._workers) - self._blocked >= self.max_workers or len(self._workers) >= (
             self.max_workers + COMPENSATION_LIMIT
         ):
-            return False
-        worker = _Worker(self)
-        self._workers.add(worker)
-        self._queues = (*self._queues, worker.forks)
+            return None
+        else:
+            worker = _Worker(self)
+            self._workers.add(worker)
+            self._queues = (*self._queues, worker.forks)
+        occupancy = _budget_slots.hook
+        if occupancy is not None:
+            # Its spell of work begins, before it can run; the thread that
+            # forked the work may count beside it (rule 3 of aiopar._budget)
+            # unless an event loop runs there (it awaits its forks) or this
+            # pool runs tasks on their own.
+            sharer = occupancy.woke(
+                worker.slot,
+                forked_here
+                and self.forker_counts
+                # _loop.on_event_loop() inline: this runs on every fork that wakes a worker.
+                and _get_running_loop() is None
+                and _sniffio_thread.name is None,
+            )
+            if sharer is not None:
+                self._sharers[get_ident()] = sharer
+        if asleep:
+            worker.wake_up.release()
+            self._waking += 1
+            return worker
         try:
             worker.thread.start()
         except RuntimeError:  # "can't start new thread": the limit of this system
             self._remove(worker)
+            worker.end_spell()
             if not self._workers:
                 raise
-            return False  # the workers there are will take the task
-        return True
+            return None  # the workers there are will take the task
+        return worker
+
+    def _runs_own_fork(self, occupancy: Occupancy, woken: _Worker | None, ident: int) -> None:
+        """Tell the budget that a thread outside the pools runs one of its own
+        forks in ``wait`` (one for which ``woken`` was woken, if not None)."""
+        sharer = occupancy.runs_own_fork(None if woken is None else woken.slot, self._runs_a_task)
+        if sharer is not None:
+            with self._lock:
+                self._sharers[ident] = sharer
+
+    def _runs_a_task(self) -> bool:
+        """Whether a worker runs a task now."""
+        return any(worker.task is not None for worker in list(self._workers))
 
     def _remove(self, worker: _Worker) -> None:
         # Called with self._lock held, for a worker whose deque is empty.
@@ -270,10 +306,10 @@ class ThreadBackend(Backend):
         try:
             self._run_tasks(worker)
         finally:
-            if _budget_slots.hook is not None:
-                worker.slot.went_idle()  # a worker that lingered stops counting as it stops
+            with self._lock:
+                worker.end_spell()
 
-    def _next_task(self, forks: collections.deque[_BudgetedTask]) -> _BudgetedTask | None:
+    def _next_task(self, forks: collections.deque[PoolTask]) -> PoolTask | None:
         """Its own newest fork, else the oldest task stolen from another
         worker, else the oldest in the shared queue; None if all are empty."""
         # Each deque is looked at before it is popped: an empty one's
@@ -294,8 +330,6 @@ class ThreadBackend(Backend):
 
     def _run_tasks(self, worker: _Worker) -> None:
         slot = worker.slot
-        wake_up = threading.Lock()
-        wake_up.acquire()
         while True:
             # Over the limit (it went down, or a blocked worker came back):
             # stop before taking another task.
@@ -307,24 +341,33 @@ class ThreadBackend(Backend):
                 return
             task = self._next_task(worker.forks)
             if task is None:
-                probe()
-                if _budget_slots.hook is not None:
-                    slot.went_idle()
+                if _budget_slots.hook is None:
+                    probe()
                 with self._lock:
-                    if self._backlog():
+                    if self._tasks or any(self._queues):  # self._backlog(), inline
                         continue
                     if self._closed:
                         self._remove(worker)
                         return
-                    self._idle.append(wake_up)
-                    if self._draining and self._is_quiet():
+                    if slot.busy:  # worker.end_spell(), inline: once per spell of work
+                        slot.end_spell()
+                    self._idle.append(worker)
+                    quiet = len(self._idle) == len(self._workers)
+                    sharers = None
+                    if quiet and self._sharers:
+                        sharers, self._sharers = list(self._sharers.values()), {}
+                    if quiet and self._draining:
                         self._quiet.notify_all()
-                wake_up.acquire()  # released by the fork that has work for it
+                if sharers:
+                    _budget_slots.hook.pool_quiet(sharers)  # type: ignore[union-attr] # they share
+                worker.wake_up.acquire()  # released by the fork that has work for it
                 with self._lock:
                     self._waking -= 1
                 continue
             worker.task = task
-            task.run()
+            if not slot.ran:
+                slot.first_task()
+            task.run_on_worker()
             worker.task = None
             del task  # the worker keeps no reference while it waits for the next
 
@@ -336,7 +379,8 @@ class ThreadBackend(Backend):
             self._remove(worker)
             if self._backlog():
                 self._wake_worker()  # the wake-up that came here was for a task
-            return True
+            worker.end_spell()
+        return True
 
     # A blocked worker is counted out of the pool, so queued work gets a
     # worker of its own (a compensating one, if none is idle).
@@ -377,7 +421,7 @@ class ThreadBackend(Backend):
         the pool's lock, so a cancel callback may fork or wait anywhere.
         """
         with self._lock:
-            queued: list[_BudgetedTask] = []
+            queued: list[PoolTask] = []
             if cancel_pending:
                 for queue in (self._tasks, *self._queues):
                     while queue:
@@ -387,7 +431,7 @@ class ThreadBackend(Backend):
                             break
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
-                self._idle.popleft().release()
+                self._idle.popleft().wake_up.release()  # to stop: it counts for nothing
                 self._waking += 1
             threads = [worker.thread for worker in self._workers]
         _cancel(queued)
@@ -398,13 +442,12 @@ class ThreadBackend(Backend):
                     _interrupt.join(thread)
 
 
-def _cancel(tasks: list[_BudgetedTask]) -> None:
+def _cancel(tasks: list[PoolTask]) -> None:
     """Cancel the futures of tasks taken off the queues (unless they started)."""
     for task in tasks:
         future = task.future
         if future is not None:
             future.cancel()
-        task.release_budget()
 
 
 _live_pools: weakref.WeakSet[ThreadBackend] = weakref.WeakSet()
