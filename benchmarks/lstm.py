@@ -4,7 +4,7 @@
     python benchmarks/lstm.py --quick    # small sizes, a smoke test
 
 It measures the way `aiopar demo` does, with the same helper
-(``aiopar/nn/_measure.py``): every row runs once per round, in turn, after a
+(``aiopar/_demo.py``): every row runs once per round, in turn, after a
 pause for the BLAS/OpenMP threads of the row before to stop spinning; each
 row's speed-up is its anchor's time divided by its own in the same round
 (above 1x: faster), shown as the median and range over the rounds. The
@@ -14,7 +14,12 @@ task pinned to 1 BLAS thread with ``aiopar.set_num_threads(1)``). The float32
 GEMM peak is measured in every round and the best is used for "of peak".
 TorchScript's variants (the tutorial's modules, scripted, run under
 ``torch.no_grad()``) are included when torch is importable; aiopar's run on
-the "thread" backend and on "openmp" when it is available.
+the "thread" backend and on "openmp" when it is available. aiopar's default
+configuration runs once per LSTM engine that loads here (numpy, and oneDNN
+with ``aiopar[onednn]``), right after TorchScript's rows and against its
+forked ensemble; the other aiopar rows run on the engine ``auto`` picks.
+Every row shows CPU time beside wall time: on a busy machine wall time
+swings with what else runs, CPU time much less.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 from rich.console import Console
@@ -46,7 +52,8 @@ from aiopar._demo import (
     timed_round,
     verdict,
 )
-from aiopar.nn import LSTMEnsemble
+from aiopar.nn import LSTMEnsemble, set_lstm_engine
+from aiopar.nn._onednn import OneDNNError, load
 
 # --quick: a token pause, the runs are tiny.
 QUICK_SPIN_PAUSE = 0.01
@@ -148,6 +155,32 @@ def torch_rows(n_models: int, size: int, x: np.ndarray, ens: LSTMEnsemble) -> li
     return rows
 
 
+def on_engine(engine: str, run: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+    """`run` with the LSTM engine `engine` (chosen once, so switching costs nothing)."""
+
+    def on() -> np.ndarray:
+        set_lstm_engine(engine)  # type: ignore[arg-type]
+        return run()
+
+    return on
+
+
+def engine_rows(ens: LSTMEnsemble, x: np.ndarray, anchor: Row | None) -> list[Row]:
+    """aiopar's default configuration (models forked, thread backend) on each
+    LSTM engine that loads here, against `anchor`."""
+    engines = ["numpy"]
+    try:
+        load()
+        engines.append("onednn")
+    except OneDNNError:
+        pass
+    default = ensemble_run(ens, x, "models forked")
+    return [
+        Row(f"aiopar default, {engine} engine", on_engine(engine, default), anchor=anchor)
+        for engine in engines
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
@@ -165,26 +198,31 @@ def main() -> None:
     # torch loads an OpenMP runtime, whose threads spin longer: measure the pause after it
     spin = QUICK_SPIN_PAUSE if args.quick else spin_pause()
 
-    sequential = Row("aiopar sequential", ensemble_run(ens, x, "sequential"))
-    rows = [*torch_variants, sequential]
+    # aiopar's default on each engine right after TorchScript's rows, against
+    # its forked ensemble: the contenders alternate within every round.
+    engines = engine_rows(ens, x, torch_variants[-1] if torch_variants else None)
+    sequential = Row("aiopar sequential", on_engine("auto", ensemble_run(ens, x, "sequential")))
+    rows = [*torch_variants, *engines, sequential]
     backends = [b for b in ("thread", "openmp") if b in aiopar.available_backends()]
     forked = list(VARIANTS)[1:]
     for backend in backends:
         for label in forked:
-            run = ensemble_run(ens, x, label, backend=backend)
+            run = on_engine("auto", ensemble_run(ens, x, label, backend=backend))
             rows.append(Row(f"aiopar {label} on {backend}", run, anchor=sequential))
     # Inter-op alone: with every task at 1 BLAS thread, only the forks use more cores.
     single = Row(
-        "aiopar sequential, 1 BLAS thread", ensemble_run(ens, x, "sequential"), blas_threads=1
+        "aiopar sequential, 1 BLAS thread",
+        on_engine("auto", ensemble_run(ens, x, "sequential")),
+        blas_threads=1,
     )
     rows.append(single)
     for label in forked:
-        run = ensemble_run(ens, x, label)
+        run = on_engine("auto", ensemble_run(ens, x, label))
         rows.append(Row(f"aiopar {label}, 1 BLAS thread", run, anchor=single, blas_threads=1))
 
     # Warm up (scripting, allocator, packed weights) and check every variant agrees.
     outputs = [row.call()[0] for row in rows]
-    reference = outputs[len(torch_variants)]
+    reference = outputs[len(torch_variants) + len(engines)]
     worst = max(float(np.abs(out - reference).max()) for out in outputs)
     for row in torch_variants:  # TorchScript's profiling executor optimises on the second run
         row.call()
@@ -207,15 +245,19 @@ def main() -> None:
             f"{flops / 1e9:.1f} GFLOP; {rounds} rounds"
         ),
         caption="speed-up: the anchor's time / the row's in the same round (above 1x: "
-        "faster), median and range over the rounds; each section's first row is its anchor",
+        "faster), median and range over the rounds; each section's first row is its anchor "
+        "(aiopar's default on each engine: TorchScript's forked ensemble); CPU s: median CPU "
+        "seconds of this process, CPU speed-up: the anchor's / the row's, median",
     )
-    table.add_column("variant")
+    table.add_column("variant", no_wrap=True)
     table.add_column("best s", justify="right")
     table.add_column("median s", justify="right")
     table.add_column("GFLOP/s", justify="right")
     table.add_column("of peak", justify="right")
     table.add_column("speed-up", justify="right")
     table.add_column("range", justify="right")
+    table.add_column("CPU s", justify="right")
+    table.add_column("CPU speed-up", justify="right")
     if torch_sequential is not None:
         table.add_column("vs TorchScript sequential", justify="right")
     for row in rows:
@@ -231,11 +273,20 @@ def main() -> None:
             f"{flops / best / peak:.0%}",
             "anchor" if speedup is None else str(speedup),
             "" if speedup is None else speedup.range,
+            f"{statistics.median(row.cpu_times):.3f}",
+            "" if row.anchor is None else str(Spread.paired(row.anchor.cpu_times, row.cpu_times)),
         ]
         if torch_sequential is not None:
             cells.append(str(Spread.paired(torch_sequential.times, row.times)))
         table.add_row(*cells)
     console.print(table)
+    for row in engines:
+        if row.anchor is not None:
+            console.print(
+                f"{row.name} vs {row.anchor.name}: {row.speedup()} wall "
+                f"({row.speedup().range}), {Spread.paired(row.anchor.cpu_times, row.cpu_times)} "
+                f"CPU time"
+            )
     aiopar_forked = {r.name: r.speedup() for r in rows if r.anchor is sequential}
     console.print(verdict(aiopar_forked, anchor="aiopar sequential"))
     if torch_variants:

@@ -35,8 +35,10 @@ def onednn_loads() -> bool:
 def engine_chosen_afresh():
     """Every test starts with no choice made (the environment's preference) and leaves none."""
     _engine._preference, _engine._choice = None, None
+    _engine._decided.clear()
     yield
     _engine._preference, _engine._choice = None, None
+    _engine._decided.clear()
 
 
 ENGINES = [
@@ -171,6 +173,7 @@ def test_auto_keeps_onednn_only_for_a_packed_kernel(monkeypatch) -> None:
     assert set_lstm_engine("auto") == "numpy"
     assert "only its generic kernel gemm:jit:f32" in aiopar.parallel_info()
     monkeypatch.setattr(_engine, "_self_test", lambda onednn: "brg:avx512_core")
+    _engine._decided.clear()
     assert set_lstm_engine("auto") == "onednn"
     assert "LSTM engine: onednn (oneDNN 3" in aiopar.parallel_info()
 

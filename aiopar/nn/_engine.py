@@ -51,6 +51,7 @@ class _Choice:
 _lock = threading.Lock()
 _choice: _Choice | None = None
 _preference: Preference | None = None  # set_lstm_engine's; None: the environment's
+_decided: dict[Preference, _Choice] = {}  # by set_lstm_engine's preference: a switch back is free
 
 
 def step_factory() -> StepFactory:
@@ -75,7 +76,9 @@ def set_lstm_engine(preference: Preference) -> Literal["numpy", "onednn"]:
     runs it through oneDNN if it loads and passes its self-test, else numpy.
     ``"auto"`` (the default, also read from the ``AIOPAR_LSTM_ENGINE``
     environment variable) does so only if oneDNN has a packed kernel for
-    this CPU. Runs already under way finish on the engine they started with.
+    this CPU. The choice for each preference is made once: switching back
+    to one is free. Runs already under way finish on the engine they started
+    with.
     """
     global _preference, _choice
     if preference not in _PREFERENCES:
@@ -85,7 +88,7 @@ def set_lstm_engine(preference: Preference) -> Literal["numpy", "onednn"]:
         )
     with _lock:
         _preference = preference
-        _choice = None
+        _choice = _decided.get(preference)
     return lstm_engine()
 
 
@@ -100,6 +103,8 @@ def _choose() -> _Choice:
     with _lock:
         if _choice is None:
             _choice = _decide()
+            if _preference is not None:
+                _decided[_preference] = _choice
             _logger.debug("aiopar.nn LSTM engine: %s (%s)", _choice.name, _choice.why)
         return _choice
 
