@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import inspect
 import threading
@@ -18,8 +17,8 @@ import anyio
 from . import _loop
 from ._config import current_backend
 from ._errors import CancelledError
-from ._future import CANCELLED, Future, _warn_blocking_loop, check_timeout, copy_outcome
-from ._interop import describe_type, not_a_future_message
+from ._future import Future, check_timeout, copy_outcome
+from ._interop import describe_type, has_future_protocol, not_a_future_message
 
 __all__ = [
     "TaskGroup",
@@ -102,8 +101,10 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
 
     Raises as soon as one fails: the exception of the first failed future
     in list order among those done by then (as ``torch.futures.wait_all``
-    documents it; torch 2's waits for every future first).
-    Tasks that have not started run in the calling thread.
+    documents it; torch 2's waits for every future first). The calling
+    thread runs a task that has not started only once its future is the
+    last one not done: a task it ran could not be stopped when another
+    failed meanwhile.
     """
     futures = _future_list(futs, "wait_all()")
     del futs
@@ -124,27 +125,27 @@ def _first_failed(futures: list[Future[Any]]) -> int | None:
     """Wait until all of ``futures`` are done, or one has failed or been
     cancelled; return the index of the first of those in list order, or None.
 
-    Tasks that have not started run here, so their failures' tracebacks hold
+    The last task not done may run here, so its failure's traceback holds
     this frame: it lets go of the failed future before it returns."""
-    if _loop.running_async_library() is not None and not all(fut.done() for fut in futures):
-        _warn_blocking_loop()  # before it runs a task on the loop's thread
-    for fut in futures:
-        task = fut._task  # None once done
-        if task is not None and task.stealable:
-            task.run()  # does nothing unless the task has not started
-        if fut._exception is not None or fut._state == CANCELLED:
-            index = futures.index(fut)
-            del fut
-            return index
+    index = _index_of_failed(futures)
+    if index is not None:
+        return index
     pending = [fut for fut in futures if not fut.done()]
     if not pending:
         return None
-    _when_all(pending, None, fail_fast=True)._block(None)
+    if len(pending) == 1:
+        pending[0]._block(None)  # runs its task here if it has not started
+    else:
+        _when_all(pending, None, fail_fast=True)._block(None)
     pending.clear()
-    for fut in futures:
-        if fut._exception is not None or fut._state == CANCELLED:
-            index = futures.index(fut)
-            del fut
+    return _index_of_failed(futures)
+
+
+def _index_of_failed(futures: list[Future[Any]]) -> int | None:
+    """The index of the first of ``futures`` that failed or was cancelled, or None."""
+    for index, fut in enumerate(futures):
+        if fut._exception is not None or fut.cancelled():
+            del fut  # no cycle: see _first_failed
             return index
     return None
 
@@ -175,7 +176,7 @@ def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Futur
     if not futures:
         outcome._settle(value, None)
     for fut in futures:
-        fut.add_done_callback(one_done)
+        fut._add_callback(one_done)
     return outcome
 
 
@@ -260,7 +261,9 @@ def as_completed(futs: Iterable[Future[T]], timeout: float | None = None) -> _As
 
 
 def wrap(obj: Any) -> Future[Any]:
-    """Adopt a ``concurrent.futures.Future``, an asyncio future or any awaitable.
+    """Adopt a ``concurrent.futures.Future``, an asyncio future, anything
+    with the ``concurrent.futures`` callback protocol (a ``dask.distributed``
+    Future), or any awaitable.
 
     The returned future settles when the original does. Cancelling it
     cancels the original. An awaitable that is not a future runs on the
@@ -269,15 +272,17 @@ def wrap(obj: Any) -> Future[Any]:
     if isinstance(obj, Future):
         return obj
     adopted: Future[Any] = Future()
-    if isinstance(obj, concurrent.futures.Future):
-        obj.add_done_callback(lambda src: copy_outcome(src, adopted))
-        adopted.add_done_callback(lambda fut: fut.cancelled() and obj.cancel())
-    elif asyncio.isfuture(obj):
+    if asyncio.isfuture(obj):
         obj.add_done_callback(lambda src: copy_outcome(src, adopted))
         loop = obj.get_loop()
         adopted.add_done_callback(
             lambda fut: fut.cancelled() and loop.call_soon_threadsafe(obj.cancel)
         )
+    elif has_future_protocol(obj):
+        # Before the awaitable case: a dask Future of a synchronous client
+        # is awaitable only on that client's own loop.
+        obj.add_done_callback(lambda src: copy_outcome(src, adopted))
+        adopted.add_done_callback(lambda fut: fut.cancelled() and obj.cancel())
     elif inspect.isawaitable(obj):
 
         async def await_it() -> Any:
@@ -286,7 +291,8 @@ def wrap(obj: Any) -> Future[Any]:
         _loop.start_coroutine(adopted, await_it, (), {}, contextvars.copy_context())
     else:
         raise TypeError(
-            "wrap() takes a concurrent.futures.Future, an asyncio future or an awaitable, "
+            "wrap() takes a concurrent.futures.Future (or an object with its add_done_callback, "
+            "result, exception, cancelled and cancel), an asyncio future or an awaitable, "
             f"got {describe_type(obj)}; to run a function, use aiopar.fork(fn, *args)"
         )
     return adopted

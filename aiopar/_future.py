@@ -1,8 +1,14 @@
 """The one Future type: block on it, await it, or chain callbacks on it.
 
-A future moves PENDING -> RUNNING -> FINISHED, or PENDING -> CANCELLED; a
-future a user creates with ``Future()`` stays PENDING until it is settled.
-Done means FINISHED or CANCELLED, and a done future never changes again.
+A future moves PENDING -> RUNNING -> FINISHED, or PENDING ->
+CANCELLED_AND_NOTIFIED; a future a user creates with ``Future()`` stays
+PENDING until it is settled. Done means any state but PENDING and RUNNING,
+and a done future never changes again. The states are concurrent.futures'
+own names, which its ``wait()`` and ``as_completed()`` read in ``_state``: a
+cancelled aiopar future tells every waiter at once, so it is what the
+standard library calls cancelled and notified. (CANCELLED alone, a
+standard future cancelled before its executor notified the waiters, is
+never set here; a future put in it by hand behaves as a standard one.)
 
 A failed future holds its exception, whose traceback holds every frame the
 exception passed through and, through ``f_back``, every frame above them,
@@ -26,6 +32,13 @@ import warnings
 from asyncio import _get_running_loop
 from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures._base import (
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    PENDING,
+    RUNNING,
+)
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
@@ -33,7 +46,7 @@ import sniffio
 
 from . import _interrupt, _loop, _trace, _waiter
 from ._errors import CancelledError, InvalidStateError
-from ._interop import CfCondition, LoopCallback, adapt_callback
+from ._interop import CfCondition, LoopCallback, adapt_callback, describe_type
 from ._log import logger as _logger
 from ._waiter import Waiter, get_waiter, set_waiter
 
@@ -42,8 +55,13 @@ __all__ = ["Future", "Waiter", "get_waiter", "set_callback_runner", "set_waiter"
 T = TypeVar("T")
 U = TypeVar("U")
 
-PENDING, RUNNING, CANCELLED, FINISHED = 0, 1, 2, 3
-_STATE_NAMES = ("pending", "running", "cancelled", "finished")
+_DESCRIPTIONS = {
+    PENDING: "pending",
+    RUNNING: "running",
+    CANCELLED: "cancelled",
+    CANCELLED_AND_NOTIFIED: "cancelled",
+    FINISHED: "finished",
+}
 
 
 _local = _waiter.local
@@ -72,7 +90,6 @@ class Future(Generic[T], concurrent.futures.Future[T]):
 
     # The names concurrent.futures.wait() and as_completed() read (see
     # _interop), with aiopar's own types rather than the base class's.
-    _state: int  # type: ignore[assignment]
     _waiters: list[Any] | None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -89,7 +106,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
 
     def __repr__(self) -> str:
         state = self._state
-        if state == FINISHED:
+        if state is FINISHED:
             if self._exception is not None:
                 detail = f" raised {type(self._exception).__name__}"
             else:
@@ -97,7 +114,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         else:
             detail = ""
         # "aiopar.Future": next to concurrent.futures' and asyncio's own in messages
-        return f"<aiopar.{type(self).__name__} at {id(self):#x} {_STATE_NAMES[state]}{detail}>"
+        return f"<aiopar.{type(self).__name__} at {id(self):#x} {_DESCRIPTIONS[state]}{detail}>"
 
     def __reduce__(self) -> Any:
         # A future lives in one process: its waiters and callbacks cannot travel.
@@ -110,15 +127,17 @@ class Future(Generic[T], concurrent.futures.Future[T]):
 
     def done(self) -> bool:
         """True once the future has a value, an exception, or was cancelled."""
-        return self._state >= CANCELLED
+        state = self._state
+        return state is not PENDING and state is not RUNNING
 
     def cancelled(self) -> bool:
         """True if the future was cancelled."""
-        return self._state == CANCELLED
+        state = self._state
+        return state is CANCELLED_AND_NOTIFIED or state is CANCELLED
 
     def running(self) -> bool:
         """True while its task runs (a future's task runs at most once)."""
-        return self._state == RUNNING
+        return self._state is RUNNING
 
     def cancel(self) -> bool:
         """Cancel the future unless its task has started.
@@ -128,9 +147,9 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         A running task is never interrupted.
         """
         with self._lock:
-            if self._state != PENDING:
-                return self._state == CANCELLED
-            self._state = CANCELLED
+            if self._state is not PENDING:
+                return self.cancelled()
+            self._state = CANCELLED_AND_NOTIFIED
             self._task = None  # it will never run: let it go
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
@@ -167,7 +186,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         lock = self._lock
         lock.acquire()
         try:
-            if self._state != PENDING:
+            if self._state is not PENDING:
                 return False
             self._state = RUNNING
             return True
@@ -179,7 +198,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         lock = self._lock
         lock.acquire()  # see _claim
         try:
-            if self._state >= CANCELLED:
+            state = self._state
+            if state is not PENDING and state is not RUNNING:
                 return False
             if exception is None:
                 self._result = result
@@ -207,7 +227,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         cancelled, and InvalidStateError (a RuntimeError) if it is not done.
         """
         state = self._state
-        if state == FINISHED:
+        if state is FINISHED:
             exception = self._exception
             if exception is not None:
                 self._retrieve()
@@ -216,7 +236,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 finally:
                     del self, exception  # no cycle: see the module's docstring
             return self._result  # type: ignore[no-any-return]
-        if state == CANCELLED:
+        if state is not PENDING and state is not RUNNING:
             raise CancelledError(f"{self!r} was cancelled before its task started")
         raise InvalidStateError(f"{self!r} is not done; call wait() or await it to get its value")
 
@@ -229,9 +249,10 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
-        if self._state < CANCELLED and not self._block(timeout):
+        state = self._state
+        if (state is PENDING or state is RUNNING) and not self._block(timeout):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
-        if self._state == FINISHED and self._exception is None:
+        if self._state is FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         try:
             return self.value()
@@ -239,9 +260,14 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             del self  # no cycle: see the module's docstring
 
     def result(self, timeout: float | None = None) -> T:
-        """The :mod:`concurrent.futures` spelling of :meth:`wait`."""
+        """:meth:`wait` as :mod:`concurrent.futures` spells it, with its timeouts.
+
+        ``None`` waits for ever; a timeout of 0 or less does not wait at all,
+        so a future that is not done raises TimeoutError at once
+        (``Executor.map`` passes negative timeouts once its deadline passes).
+        """
         try:
-            return self.wait(timeout)
+            return self.wait(cf_timeout(timeout))
         finally:
             del self  # no cycle: see the module's docstring
 
@@ -249,11 +275,11 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """Block until done; return the task's exception, or None if it succeeded.
 
         Raises CancelledError if the future was cancelled, TimeoutError if
-        ``timeout`` seconds pass first.
+        ``timeout`` seconds pass first; timeouts as for :meth:`result`.
         """
-        if not self._block(check_timeout(timeout)):
+        if not self._block(cf_timeout(timeout)):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
-        if self._state == CANCELLED:
+        if self._state is not FINISHED:
             raise CancelledError(f"{self!r} was cancelled before its task started")
         return self._retrieve()
 
@@ -273,7 +299,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         then (in a work-first pool's worker) the tasks it forked that are
         still queued, newest first, with or without a timeout.
         """
-        if self._state >= CANCELLED:
+        if (state := self._state) is not PENDING and state is not RUNNING:
             return True
         if _get_running_loop() is not None or _sniffio_thread.name is not None:
             # _loop.running_async_library() inline: a call fewer on every wait's path
@@ -295,7 +321,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                     run_own_forks(self)
             finally:
                 local["steals"] = steals
-            if self._state >= CANCELLED:
+            if (state := self._state) is not PENDING and state is not RUNNING:
                 del self  # the task may have failed in this frame: no cycle (module docstring)
                 return True
         if task is not None and task.runs_on_this_thread():
@@ -304,12 +330,12 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 f"wait() would block for ever; use 'await fut' inside the loop instead"
             )
         _drain_deferred_callbacks()  # they may be what settles this future
-        if self._state >= CANCELLED:
+        if self.done():
             return True
         waiter = threading.Lock()
         waiter.acquire()
         with self._lock:
-            if self._state >= CANCELLED:
+            if self.done():
                 return True
             if self._waiters is None:
                 self._waiters = [waiter]
@@ -339,7 +365,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 with self._lock:
                     if self._waiters is not None and waiter in self._waiters:
                         self._waiters.remove(waiter)
-        return self._state >= CANCELLED
+        return self.done()
 
     # -- callbacks ---------------------------------------------------------
 
@@ -369,7 +395,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def _add_callback(self, fn: Callable[[Future[T]], object]) -> None:
         """add_done_callback for aiopar's own callbacks, which need no checks."""
         with self._lock:
-            if self._state < CANCELLED:
+            if (state := self._state) is PENDING or state is RUNNING:
                 if self._callbacks is None:
                     self._callbacks = [fn]
                 else:
@@ -411,29 +437,43 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         way to run, is not recalled.
         """
         with self._lock:
-            callbacks = self._callbacks
-            if not callbacks:
-                return 0
-            kept = [
-                cb
-                for cb in callbacks
-                if not (cb == fn or (type(cb) is LoopCallback and cb.fn == fn))
-            ]
+            callbacks = list(self._callbacks or ())
+        # Compared outside the lock: a callback's __eq__ may call back into
+        # this future (bpo-28963, gh-97592), and the lock is not reentrant.
+        equal = {
+            id(cb) for cb in callbacks if cb == fn or (type(cb) is LoopCallback and cb.fn == fn)
+        }
+        if not equal:
+            return 0
+        with self._lock:
+            pending = self._callbacks or []
+            kept = [cb for cb in pending if id(cb) not in equal]
             self._callbacks = kept or None
-        return len(callbacks) - len(kept)
+        return len(pending) - len(kept)
 
     def set_running_or_notify_cancel(self) -> bool:
         """The :mod:`concurrent.futures` executor's claim on a future it will run.
 
         Returns True and marks the future running if it is pending, False if
-        it was cancelled (then its waiters have been told already). Raises
-        InvalidStateError if it is already running or done.
+        it was cancelled (its waiters have been told, now if not before).
+        Raises InvalidStateError if it is already running or done.
         """
-        if self._claim():
-            return True
-        if self._state == CANCELLED:
-            return False
-        raise InvalidStateError(f"{self!r} is already running or done; a future runs only once")
+        with self._lock:
+            state = self._state
+            if state is PENDING:
+                self._state = RUNNING
+                return True
+            if state is CANCELLED:  # set by hand: see the module's docstring
+                self._state = CANCELLED_AND_NOTIFIED
+                waiters, self._waiters = self._waiters, None
+            elif state is CANCELLED_AND_NOTIFIED:
+                return False
+            else:
+                raise InvalidStateError(
+                    f"{self!r} is already running or done; a future runs only once"
+                )
+        _notify(self, waiters, None)
+        return False
 
     @property
     def _condition(self) -> CfCondition:  # type: ignore[override] # made on demand
@@ -443,7 +483,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     # -- await -------------------------------------------------------------
 
     def __await__(self) -> Generator[Any, None, T]:
-        if self._state < CANCELLED:
+        if (state := self._state) is PENDING or state is RUNNING:
             yield from _loop.wait_on_loop(self)
         try:
             return self.value()
@@ -497,15 +537,29 @@ class _UntilDone:
 
 
 def copy_outcome(source: Any, target: Future[Any]) -> None:
-    """Settle ``target`` as ``source`` (any done future) was settled, unless
-    it is done already. Nothing is raised, so no frame joins the traceback
-    of ``source``'s exception."""
-    if source.cancelled():
-        target.cancel()
-    elif (exc := source.exception()) is not None:
-        target._settle(None, exc)
-    else:
-        target._settle(source.result(), None)
+    """Settle ``target`` as ``source``, a done future of another kind, was
+    settled (unless ``target`` is done already); what reading ``source``
+    raises settles it too. Nothing is raised here, so no frame of aiopar's
+    joins the traceback of ``source``'s exception."""
+    try:
+        if source.cancelled():
+            target.cancel()
+            return
+        exception = source.exception()
+        if exception is None:
+            target._settle(source.result(), None)
+        elif isinstance(exception, BaseException):
+            target._settle(None, exception)
+        else:
+            raise TypeError(
+                f"{describe_type(source)}.exception() returned {describe_type(exception)}, "
+                f"not an exception or None, so aiopar.wrap() cannot read its outcome "
+                f"(a dask Future of an asynchronous Client does that: await it on the "
+                f"client's loop instead)"
+            )
+    except BaseException as error:
+        target._settle(None, error)
+        del source, target  # the error's traceback holds this frame: no cycle (see Future)
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -524,6 +578,14 @@ def check_timeout(timeout: float | None) -> float | None:
             f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}"
         )
     return None if timeout > threading.TIMEOUT_MAX or math.isinf(timeout) else timeout
+
+
+def cf_timeout(timeout: float | None) -> float | None:
+    """The timeout to wait with, as :mod:`concurrent.futures` takes it: as
+    :func:`check_timeout`'s, except that 0 or less (NaN too) is no wait at all."""
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and not timeout > 0:
+        return 0
+    return check_timeout(timeout)
 
 
 def _notify(fut: Future[Any], waiters: list[Any] | None, callbacks: list[Any] | None) -> None:

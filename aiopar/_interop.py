@@ -9,12 +9,14 @@ callback that asyncio's own code adds on a loop's thread runs on that loop,
 through the batching bridge; every other callback runs in the thread that
 settles the future, as a ``concurrent.futures`` callback does.
 
-concurrent.futures: ``Future`` derives from ``concurrent.futures.Future``.
-``wait`` and ``as_completed`` lock each future through ``_condition`` and add
-their waiter to ``_waiters``. The condition is a view of the future's own
-lock, made on access; while it is held, ``_waiters`` is a list that keeps a
-standard waiter among the future's blocked threads, woken the same way.
-Nothing here is allocated for a future that never meets this code.
+concurrent.futures: ``Future`` derives from ``concurrent.futures.Future``
+and keeps its state in ``_state`` under the standard library's own names.
+``wait`` and ``as_completed`` lock each future through ``_condition``, read
+``_state`` and add their waiter to ``_waiters``. The condition is a view of
+the future's own lock, made on access; while it is held, ``_waiters`` is a
+list that keeps a standard waiter among the future's blocked threads, woken
+the same way. Nothing here is allocated for a future that never meets this
+code.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "LoopCallback",
     "adapt_callback",
     "describe_type",
+    "has_future_protocol",
     "not_a_future_message",
 ]
 
@@ -121,11 +124,9 @@ class LoopCallback:
 #
 # concurrent.futures.wait and as_completed reach into a future's private
 # attributes: they hold `_condition` while they read `_state` and append
-# their waiter to `_waiters`, and later remove it. Each waiter is told
-# once, through add_result/add_exception/add_cancelled, that the future is
-# done. An aiopar future's `_state` is a number that never equals their
-# state names, so they take every aiopar future for pending and add their
-# waiter; a done one tells it at once.
+# their waiter to `_waiters` (of every future, done or not), and later
+# remove it. Each waiter of a future that was not done then is told once,
+# through add_result/add_exception/add_cancelled, that it is done.
 
 
 class CfCondition:
@@ -177,12 +178,9 @@ class CfWaiters(list):  # type: ignore[type-arg]
         self._fut = fut
 
     def append(self, waiter: Any) -> None:
-        if not hasattr(waiter, "add_result"):  # a thread blocked in Future.wait()
-            super().append(waiter)
-        elif self._fut.done():
-            _tell(waiter, self._fut)
-        else:
-            super().append(_CfWaiter(self._fut, waiter))
+        if hasattr(waiter, "add_result"):  # not a thread blocked in Future.wait()
+            waiter = _CfWaiter(self._fut, waiter)
+        super().append(waiter)
 
     def remove(self, waiter: Any) -> None:
         for i, item in enumerate(self):
@@ -212,6 +210,18 @@ def _tell(waiter: Any, fut: Any) -> None:
         waiter.add_result(fut)
 
 
+def has_future_protocol(obj: object) -> bool:
+    """Whether ``obj`` answers as a ``concurrent.futures.Future`` does, with
+    ``add_done_callback``, ``result``, ``exception``, ``cancelled`` and
+    ``cancel`` (a ``dask.distributed`` Future does, and an asyncio future)."""
+    return isinstance(obj, concurrent.futures.Future) or all(
+        callable(getattr(obj, name, None)) for name in _FUTURE_PROTOCOL
+    )
+
+
+_FUTURE_PROTOCOL = ("add_done_callback", "result", "exception", "cancelled", "cancel")
+
+
 # -- messages ---------------------------------------------------------------
 
 
@@ -233,7 +243,7 @@ def describe_type(obj: object) -> str:
 def not_a_future_message(obj: object, where: str) -> str:
     """Why ``obj`` is no aiopar Future, and the call that makes it one."""
     got = describe_type(obj)
-    if isinstance(obj, concurrent.futures.Future) or asyncio.isfuture(obj):
+    if has_future_protocol(obj):
         fix = (
             f"adapt it with aiopar.wrap(), which returns an aiopar.Future that settles "
             f"when the {got} does"

@@ -283,6 +283,22 @@ def depth(n: int) -> int:
     return 0 if n == 0 else 1 + aiopar.fork(depth, n - 1).wait()
 
 
+def test_wait_all_raises_as_soon_as_one_fails_while_another_still_runs(pool):
+    # On a warm pool the caller used to take the first queued task, a slow
+    # one, and raised only once it returned. Five rounds: the race the
+    # caller used to win is lost by it in none.
+    warm_up = threading.Barrier(2)
+    aiopar.wait_all([pool.fork(warm_up.wait, 10) for _ in range(2)])
+    for _ in range(5):
+        release = threading.Event()
+        slow = pool.fork(release.wait, 10)
+        with pytest.raises(ValueError, match="invalid literal"):
+            aiopar.wait_all([slow, pool.fork(int, "x")])
+        assert not slow.done()  # raised while it still runs
+        release.set()
+        assert slow.wait(10) is True
+
+
 def test_deep_nesting_never_raises_recursion_error():
     assert aiopar.fork(depth, 2000).wait(timeout=50) == 2000
 

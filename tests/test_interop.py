@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import trio
 import uvloop
+from helpers import run_python
 
 import aiopar
 from aiopar import CancelledError, Future
@@ -502,6 +503,117 @@ def test_asyncio_futures_and_coroutines_given_to_aiopar_name_the_fix(run):
 def test_wrap_of_something_else_says_what_it_takes():
     with pytest.raises(TypeError, match=r"got int; to run a function, use aiopar\.fork"):
         aiopar.wrap(42)
+
+
+class DaskLikeFuture:
+    """What a dask.distributed Future of a synchronous client offers: the
+    concurrent.futures callback protocol, callbacks run on a thread of their
+    own, and an ``__await__`` that calls ``result()`` (a value, not an
+    awaitable, outside the client's loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[DaskLikeFuture], object]] = []
+        self._outcome: tuple[str, Any] | None = None
+
+    def add_done_callback(self, fn: Callable[[DaskLikeFuture], object]) -> None:
+        with self._lock:
+            if self._outcome is None:
+                self._callbacks.append(fn)
+                return
+        threading.Thread(target=fn, args=(self,)).start()
+
+    def settle(self, kind: str, what: Any = None) -> None:
+        with self._lock:
+            self._outcome = (kind, what)
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            threading.Thread(target=fn, args=(self,)).start()
+
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def cancelled(self) -> bool:
+        return self._outcome is not None and self._outcome[0] == "cancelled"
+
+    def cancel(self) -> None:
+        self.settle("cancelled")
+
+    def exception(self, timeout: float | None = None) -> Any:
+        assert self._outcome is not None, "the test reads only done futures"
+        return self._outcome[1] if self._outcome[0] == "error" else None
+
+    def result(self, timeout: float | None = None) -> Any:
+        assert self._outcome is not None, "the test reads only done futures"
+        kind, what = self._outcome
+        if kind == "error":
+            raise what
+        return what
+
+    def __await__(self) -> Any:
+        return self.result().__await__()
+
+
+def test_wrap_adopts_a_future_with_the_concurrent_futures_protocol_not_its_await():
+    # A dask Future used to be awaited on aiopar's loop thread, where its
+    # result() is a value: "'int' object has no attribute '__await__'".
+    succeeds, fails, cancelled = DaskLikeFuture(), DaskLikeFuture(), DaskLikeFuture()
+    adopted = [aiopar.wrap(f) for f in (succeeds, fails, cancelled)]
+    error = KeyError("remote")
+    succeeds.settle("value", 2)
+    fails.settle("error", error)
+    cancelled.cancel()
+    assert adopted[0].wait(LIMIT) == 2
+    assert adopted[1].exception(LIMIT) is error
+    with pytest.raises(CancelledError):
+        adopted[2].wait(LIMIT)
+
+
+def test_cancelling_what_wrap_returned_cancels_the_original():
+    original = DaskLikeFuture()
+    assert aiopar.wrap(original).cancel()
+    assert original.cancelled()
+
+
+def test_a_future_whose_outcome_wrap_cannot_read_fails_what_it_returned_saying_why():
+    class AsynchronousClientFuture(DaskLikeFuture):
+        def exception(self, timeout: float | None = None) -> Any:
+            return object()  # an asynchronous dask client gives a coroutine
+
+    original = AsynchronousClientFuture()
+    adopted = aiopar.wrap(original)
+    original.settle("value", 1)
+    with pytest.raises(TypeError, match="asynchronous Client"):
+        adopted.wait(LIMIT)
+
+
+def test_a_dask_like_future_given_to_aiopar_names_wrap():
+    with pytest.raises(TypeError, match=r"DaskLikeFuture; adapt it with aiopar\.wrap\(\)"):
+        aiopar.wait(DaskLikeFuture())  # type: ignore[arg-type]
+
+
+def test_wrap_adopts_a_real_dask_future():
+    pytest.importorskip("distributed")
+    done = run_python(
+        """
+        from distributed import Client, LocalCluster
+        import aiopar
+
+        def inc(x):
+            return x + 1
+
+        def fail():
+            raise KeyError("on the worker")
+
+        with LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
+        ) as cluster, Client(cluster) as client:
+            print(aiopar.wrap(client.submit(inc, 1)).wait(30))
+            print(type(aiopar.wrap(client.submit(fail)).exception(30)).__name__)
+        """,
+        timeout=120,
+    )
+    assert done.stdout.split() == ["2", "KeyError"], done.stderr
 
 
 # -- trio ---------------------------------------------------------------------
