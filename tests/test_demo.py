@@ -291,12 +291,13 @@ def demo_rows(
     ]
 
 
-QUIET = demo_rows(
-    sequential=[1.0, 1.02, 0.98],
-    models=[0.7, 0.72, 0.69],
-    single=[1.5, 1.52, 1.49],
-    interop=[0.8, 0.81, 0.79],
-)
+QUIET_TIMES = {
+    "sequential": [1.0, 1.02, 0.98],
+    "models": [0.7, 0.72, 0.69],
+    "single": [1.5, 1.52, 1.49],
+    "interop": [0.8, 0.81, 0.79],
+}
+QUIET = demo_rows(**QUIET_TIMES)
 
 
 def test_conclusions_of_a_quiet_run_name_the_winner_and_why():
@@ -340,13 +341,7 @@ def test_conclusions_when_other_programs_took_the_cores():
 def test_conclusions_when_the_single_thread_waited_for_a_core():
     # Two loops beside a 2-core run: every thread gets about 2/3 of a core,
     # and no speed-up goes beyond the cores to show it.
-    rows = demo_rows(
-        sequential=[1.0, 1.02, 0.98],
-        models=[0.7, 0.72, 0.69],
-        single=[1.5, 1.52, 1.49],
-        single_cpu=[1.0, 1.0, 1.0],
-        interop=[0.8, 0.81, 0.79],
-    )
+    rows = demo_rows(**QUIET_TIMES, single_cpu=[1.0, 1.0, 1.0])
     [line] = conclusions(rows, cores=2, flops=1e9, peak=10e9, others=None, tasks=8)
     assert line.startswith("No verdict: the machine was busy")
     assert "the single-threaded sequential run got 0.67 of a core" in line
