@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import aiopar
-from aiopar.nn import LSTMEnsemble
+from aiopar.nn import LSTMEnsemble, lstm_engine
 
 
 def main() -> None:
@@ -46,7 +46,10 @@ def main() -> None:
             first = y
         elif not np.allclose(y, first, atol=1e-5):
             raise SystemExit(f"{label} gave a different result")
-    print(f"output {first.shape}, backend {aiopar.get_backend().name!r}")
+    print(
+        f"output {first.shape}, backend {aiopar.get_backend().name!r}, "
+        f"LSTM engine {lstm_engine()!r}"
+    )
 
 
 if __name__ == "__main__":

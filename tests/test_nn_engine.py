@@ -1,4 +1,5 @@
-"""The LSTM engines: parity with torch on each, and how the engine is chosen.
+"""The LSTM engines and how the engine is chosen (parity with torch on each
+engine is in test_nn_golden.py).
 
 The oneDNN rows need the ``onednn-cpu-gomp`` wheel (``pip install
 aiopar[onednn]``) and skip without it; the choice tests need nothing: they
@@ -7,8 +8,6 @@ stand in for a missing or broken library.
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import os
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from helpers import run_python
 
 import aiopar
-from aiopar.nn import LSTM, LSTMEnsemble, _engine, _onednn, lstm_engine, set_lstm_engine
+from aiopar.nn import LSTM, _engine, _onednn, lstm_engine, set_lstm_engine
 
 TOLERANCE = 1e-5
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -50,55 +49,7 @@ ENGINES = [
 ]
 
 
-def max_error(a: np.ndarray, b: np.ndarray) -> float:
-    assert a.shape == b.shape
-    return float(np.abs(a.astype(np.float64) - b).max(initial=0.0))
-
-
-# -- parity with torch, on each engine ----------------------------------------
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize(
-    ("num_layers", "bidirectional", "batch_first"),
-    list(itertools.product([1, 2], [False, True], [False, True])),
-)
-def test_lstm_matches_torch(engine, num_layers, bidirectional, batch_first) -> None:
-    torch = pytest.importorskip("torch")
-    assert set_lstm_engine(engine) == engine
-    torch.manual_seed(num_layers * 4 + bidirectional * 2 + batch_first)
-    reference = torch.nn.LSTM(24, 40, num_layers, True, batch_first, 0.0, bidirectional)
-    lstm = LSTM(24, 40, num_layers, True, batch_first, bidirectional)
-    lstm.load_state_dict(reference.state_dict())
-    d = (2 if bidirectional else 1) * num_layers
-    x = torch.randn((11, 7, 24) if batch_first else (7, 11, 24))
-    hx = (torch.randn(d, 11, 40), torch.randn(d, 11, 40))
-    with torch.no_grad():
-        for args in ((x,), (x, hx)):
-            want, (want_h, want_c) = reference(*args)
-            got, (h, c) = lstm(*args)
-            assert max_error(got, want.numpy()) <= TOLERANCE
-            assert max_error(h, want_h.numpy()) <= TOLERANCE
-            assert max_error(c, want_c.numpy()) <= TOLERANCE
-
-
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize(("fork_models", "fork_directions"), [(False, False), (True, True)])
-def test_tutorial_ensemble_matches_scripted_torch(engine, fork_models, fork_directions) -> None:
-    torch = pytest.importorskip("torch")
-    set_lstm_engine(engine)
-    spec = importlib.util.spec_from_file_location("make_golden", FIXTURES / "make_golden.py")
-    tutorial = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tutorial)
-    torch.manual_seed(1)
-    scripted = torch.jit.script(tutorial.LSTMEnsemble(4, 32, 32))
-    ens = LSTMEnsemble(4, 32, 32, fork_models=fork_models, fork_directions=fork_directions)
-    ens.load_state_dict(scripted.state_dict())
-    x = torch.rand(9, 10, 32)
-    with torch.no_grad():
-        want = scripted(x).numpy()
-    assert max_error(ens(x.numpy()), want) <= TOLERANCE
+# -- both engines ------------------------------------------------------------------
 
 
 @pytest.mark.filterwarnings("error")

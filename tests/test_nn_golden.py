@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiopar.nn import LSTM, LSTMEnsemble
+from aiopar.nn import LSTM, LSTMEnsemble, _engine, set_lstm_engine
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 LSTM_FIXTURES = sorted(FIXTURES.glob("lstm_*.npz"))
@@ -61,7 +61,16 @@ def test_ensemble_matches_torch_fixture(fork_models: bool, fork_directions: bool
     assert max_error(ens(data["x"]), data["output"]) <= TOLERANCE
 
 
-# -- live parity ------------------------------------------------------------
+# -- live parity, on each engine ----------------------------------------------
+
+
+@pytest.fixture(params=["numpy", "onednn"])
+def engine(request):
+    """Run the test on each LSTM engine (oneDNN: when onednn-cpu-gomp is installed)."""
+    if set_lstm_engine(request.param) != request.param:
+        pytest.skip(f"the {request.param} engine does not load here")
+    yield request.param
+    _engine._preference, _engine._choice = None, None
 
 
 def _tutorial_modules():
@@ -75,7 +84,7 @@ def _tutorial_modules():
     ("num_layers", "bias", "batch_first", "bidirectional"),
     list(itertools.product([1, 2], [True, False], [False, True], [False, True])),
 )
-def test_lstm_matches_live_torch(num_layers, bias, batch_first, bidirectional) -> None:
+def test_lstm_matches_live_torch(engine, num_layers, bias, batch_first, bidirectional) -> None:
     torch = pytest.importorskip("torch")
     torch.manual_seed(num_layers * 8 + bias * 4 + batch_first * 2 + bidirectional)
     reference = torch.nn.LSTM(7, 16, num_layers, bias, batch_first, 0.0, bidirectional)
@@ -94,12 +103,13 @@ def test_lstm_matches_live_torch(num_layers, bias, batch_first, bidirectional) -
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-def test_tutorial_ensemble_state_dict_loads_from_scripted_torch() -> None:
+@pytest.mark.parametrize(("fork_models", "fork_directions"), [(False, False), (True, True)])
+def test_tutorial_ensemble_matches_scripted_torch(engine, fork_models, fork_directions) -> None:
     torch = pytest.importorskip("torch")
     tutorial = _tutorial_modules()
     torch.manual_seed(0)
-    scripted = torch.jit.script(tutorial.LSTMEnsemble(3, 16, 16))
-    ens = LSTMEnsemble(3, 16, 16)
+    scripted = torch.jit.script(tutorial.LSTMEnsemble(4, 16, 16))
+    ens = LSTMEnsemble(4, 16, 16, fork_models=fork_models, fork_directions=fork_directions)
     ens.load_state_dict({k: v.numpy() for k, v in scripted.state_dict().items()})
     x = torch.rand(12, 5, 16)
     with torch.no_grad():

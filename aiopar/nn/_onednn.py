@@ -259,6 +259,14 @@ class OneDNN:
             call="dnnl_stream_create",
         )
 
+    def _primitive(self, descriptor: _Owned) -> _Owned:
+        return self._new(
+            self.lib.dnnl_primitive_create,
+            descriptor.handle,
+            destroy="dnnl_primitive_destroy",
+            call="dnnl_primitive_create",
+        )
+
     def _memory(self, md: _Owned | _Handle, buffer: np.ndarray) -> _Owned:
         handle = md.handle if isinstance(md, _Owned) else md
         return self._new(
@@ -320,12 +328,7 @@ class OneDNN:
                 destroy="dnnl_primitive_desc_destroy",
                 call="dnnl_matmul_primitive_desc_create",
             )
-            primitive = self._new(
-                lib.dnnl_primitive_create,
-                descriptor.handle,
-                destroy="dnnl_primitive_destroy",
-                call="dnnl_primitive_create",
-            )
+            primitive = self._primitive(descriptor)
         info = ctypes.c_char_p()
         self._check(
             lib.dnnl_primitive_desc_query(
@@ -376,12 +379,7 @@ class OneDNN:
             destroy="dnnl_primitive_desc_destroy",
             call="dnnl_reorder_primitive_desc_create",
         )
-        reorder = self._new(
-            lib.dnnl_primitive_create,
-            reorder_pd.handle,
-            destroy="dnnl_primitive_destroy",
-            call="dnnl_primitive_create",
-        )
+        reorder = self._primitive(reorder_pd)
         plain = np.ascontiguousarray(packed.w_hh_t)
         memory = self._memory(matmul.weights_md, buffer)
         self._execute(
