@@ -28,6 +28,7 @@ from ._budget import (
 )
 from ._config import get_backend, set_backend, use_backend
 from ._errors import BrokenWorkerError, CancelledError, InvalidStateError
+from ._executor import Executor
 from ._future import Future
 from ._info import parallel_info
 from ._parallel import in_parallel_region, parallel_for
@@ -39,6 +40,7 @@ __all__ = [
     "Backend",
     "BrokenWorkerError",
     "CancelledError",
+    "Executor",
     "Future",
     "InvalidStateError",
     "TaskGroup",
