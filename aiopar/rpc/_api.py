@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .._checks import check_count
-from .._future import Future
+from aiopar import Future
+from aiopar.lowlevel import check_count
+
 from . import agent as _agent
-from ._rref import (
-    RRef,
-    _create,
-    _new_id,
-    call_peer,
-    forget_if_timed_out,
-    forget_owned,
-    send_changes,
-)
+from ._rref import RRef, call_peer, forget_owned, remote_value, send_changes
 from .agent import (
     RpcBackendOptions,
     WorkerInfo,
@@ -127,9 +119,10 @@ def init_rpc(
     if backend is not None and not isinstance(backend, str):
         _agent.find_engine(backend)  # raises TypeError, naming what backend would be
     with _init_lock:
-        if _agent._current is not None:
+        current = _agent.current_agent_or_none()
+        if current is not None:
             raise RuntimeError(
-                f"this process is RPC peer {_agent._current.worker_info.name!r} already; "
+                f"this process is RPC peer {current.worker_info.name!r} already; "
                 f"call aiopar.rpc.shutdown() before init_rpc() again"
             )
         engine = _agent.find_engine(backend)
@@ -321,18 +314,14 @@ def remote(
     agent = _agent.current_agent()
     if not callable(func):
         raise TypeError(f"func must be a callable to run on {to!r}, got {type(func).__name__}")
-    owner = _peer_of(agent, to)
-    rref_id, fork_id = _new_id(), _new_id()
-    created = call_peer(
+    return remote_value(
         agent,
-        owner,
-        _create,
-        (rref_id, fork_id, func, _check_args(args), _check_kwargs(kwargs)),
-        {},
+        _peer_of(agent, to),
+        func,
+        _check_args(args),
+        _check_kwargs(kwargs),
         check_timeout(timeout, agent.default_timeout),
     )
-    created.add_done_callback(functools.partial(forget_if_timed_out, owner, rref_id, fork_id))
-    return RRef._make(owner, rref_id, fork_id, created)
 
 
 # -- argument checks ---------------------------------------------------------------

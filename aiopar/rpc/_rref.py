@@ -1,5 +1,9 @@
 """RRef: a value that lives on one peer (its owner), used from any peer.
 
+The handle is here with the calls it makes: the one that creates a value on
+its owner (``remote``), the fetch of ``to_here``, and the proxies that call
+the value's methods there.
+
 The owner keeps each value in a table, under an id its creator picks, so
 ``remote`` returns before the value exists. The table's functions below run
 on the owner through ordinary calls; the ones that wait for the value are
@@ -32,12 +36,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .._future import Future, copy_outcome
+from aiopar import Future, InvalidStateError
+
 from . import agent as _agent
 from .agent import WorkerInfo, run_callee
 from .functions import async_execution
 
-__all__ = ["RRef"]
+__all__ = ["RRef", "remote_value"]
 
 T = TypeVar("T")
 
@@ -95,6 +100,21 @@ def _slot(rref_id: str, known: bool = False) -> Future[Any]:
         return slot
 
 
+def _copy_outcome(source: Future[Any], target: Future[Any]) -> None:
+    """Settle ``target`` as ``source`` (done) was settled, unless it is done
+    already. Nothing is raised, so no frame joins the traceback of
+    ``source``'s exception."""
+    if source.cancelled():
+        target.cancel()
+        return
+    exc = source.exception()
+    with contextlib.suppress(InvalidStateError):
+        if exc is None:
+            target.set_result(source.value())
+        else:
+            target.set_exception(exc)
+
+
 def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
     """Settle ``target`` with what callee ``fn`` gives (for a Future: once it is done)."""
     try:
@@ -104,7 +124,7 @@ def _run_into(target: Future[Any], fn: Callable[..., Any], args: Any, kwargs: An
         del target  # the traceback holds this frame: no cycle (see aiopar's Future)
         return
     if isinstance(result, Future):
-        result.add_done_callback(lambda done: copy_outcome(done, target))
+        result.add_done_callback(lambda done: _copy_outcome(done, target))
     else:
         target.set_result(result)
 
@@ -159,7 +179,7 @@ class _MethodCall:
         result = self.result
         del self.result
         if value.cancelled() or value.exception() is not None:
-            copy_outcome(value, result)  # (without raising it here)
+            _copy_outcome(value, result)  # (without raising it here)
         else:
             try:
                 method = getattr(value.value(), self.name)
@@ -185,20 +205,38 @@ _changes: deque[tuple[WorkerInfo, tuple[bool, str, str]]] = deque()
 _outbox_lock = threading.Lock()
 _waiting: dict[str, tuple[WorkerInfo, list[tuple[bool, str, str]]]] = {}  # by owner name
 _in_flight: set[str] = set()  # owners that a call of changes is on its way to
+# Forks whose creating call timed out: their owners have been told they are gone.
+_timed_out: set[str] = set()
 
 
-def _timed_out(created: Future[Any]) -> bool:
-    return isinstance(created._exception, TimeoutError)
+def remote_value(
+    agent: _agent.RpcAgent,
+    owner: WorkerInfo,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+) -> RRef[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``owner`` and return, at once, an RRef
+    of the value it makes there (``remote``, its arguments checked)."""
+    rref_id, fork_id = _new_id(), _new_id()
+    call = call_peer(agent, owner, _create, (rref_id, fork_id, fn, args, kwargs), {}, timeout)
+    created: Future[Any] = Future()
+    call.add_done_callback(functools.partial(_created, owner, rref_id, fork_id, created))
+    return RRef._make(owner, rref_id, fork_id, created)
 
 
-def forget_if_timed_out(
-    owner: WorkerInfo, rref_id: str, fork_id: str, created: Future[Any]
+def _created(
+    owner: WorkerInfo, rref_id: str, fork_id: str, created: Future[Any], call: Future[Any]
 ) -> None:
-    """A done-callback of the call that creates a value: if it timed out, the
-    RRef has failed, so its fork is gone (the owner hears of it with the
-    next call from this peer, and drops the value unless a copy was sent)."""
-    if _timed_out(created):
+    """The call that creates a value is done: ``created`` (the RRef's) settles
+    as it did. If it timed out, the RRef has failed, so its fork is gone
+    (the owner hears of it with the next call from this peer, and drops the
+    value unless a copy was sent)."""
+    if not call.cancelled() and isinstance(call.exception(), TimeoutError):
+        _timed_out.add(fork_id)
         _changes.append((owner, (False, rref_id, fork_id)))
+    _copy_outcome(call, created)
 
 
 def send_changes(agent: _agent.RpcAgent) -> None:
@@ -281,7 +319,7 @@ def _start_flusher() -> None:
 
 def _flush_until(stop: threading.Event) -> None:
     while not stop.wait(FLUSH_INTERVAL):
-        agent = _agent._current
+        agent = _agent.current_agent_or_none()
         if agent is not None and _changes:
             with contextlib.suppress(Exception):  # the peer is shutting down
                 send_changes(agent)
@@ -299,6 +337,7 @@ def forget_owned() -> None:
         _changes.clear()
         _waiting.clear()
         _in_flight.clear()
+        _timed_out.clear()
         flusher, _flusher = _flusher, None
     if flusher is not None:
         thread, stop = flusher
@@ -390,9 +429,11 @@ class RRef(Generic[T]):
         # The garbage collector may run this in any thread, holding any lock:
         # only note it here (deque.append takes no lock); the next call from
         # this peer tells the owner (see send_changes).
-        created = self._created
-        if self._home == _prefix and (created is None or not _timed_out(created)):
-            # (a timed-out creation said its fork was gone: see forget_if_timed_out)
+        if self._home != _prefix:
+            return
+        if self._fork in _timed_out:  # its creation said it was gone (see _created)
+            _timed_out.discard(self._fork)
+        else:
             _changes.append((self._owner, (False, self._id, self._fork)))
 
     # -- where it lives -------------------------------------------------------------
@@ -529,31 +570,33 @@ def _rebuild(owner: WorkerInfo, rref_id: str, fork_id: str) -> RRef[Any]:
 def _my_name() -> str | None:
     """This peer's name, or None if this process is no peer (an RRef
     pickled there is announced to its owner by the next call, if any)."""
-    agent = _agent._current
+    agent = _agent.current_agent_or_none()
     return None if agent is None else agent.worker_info.name
 
 
 class _Proxy:
+    """What :meth:`RRef.rpc_sync` and its siblings return: each attribute is a
+    method that calls the value's method of that name on its owner, as
+    ``rpc_sync``, ``rpc_async`` or ``remote`` (``kind``) call a function."""
+
     __slots__ = ("_kind", "_rref", "_timeout")
 
     def __init__(self, rref: RRef[Any], kind: str, timeout: float) -> None:
         self._rref, self._kind, self._timeout = rref, kind, timeout
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        from . import _api
-
-        call = getattr(_api, self._kind)
-        rref, timeout = self._rref, self._timeout
+        rref, kind, timeout = self._rref, self._kind, self._timeout
 
         def method(*args: Any, **kwargs: Any) -> Any:
             rref._raise_if_creation_failed()
-            known = rref._made_by_owner()
-            return call(
-                rref.owner(),
-                _call_method,
-                args=(rref._id, name, args, kwargs, known),
-                timeout=timeout,
-            )
+            call = (rref._id, name, args, kwargs, rref._made_by_owner())
+            agent = _agent.current_agent()
+            owner = agent.peer(rref.owner().name)
+            seconds = _agent.check_timeout(timeout, agent.default_timeout)
+            if kind == "remote":
+                return remote_value(agent, owner, _call_method, call, {}, seconds)
+            future = call_peer(agent, owner, _call_method, call, {}, seconds)
+            return future.wait() if kind == "rpc_sync" else future
 
         method.__name__ = name
         return method

@@ -28,9 +28,8 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
-from .._api import wrap
-from .._checks import check_count
-from .._future import Future
+from aiopar import Future, wrap
+from aiopar.lowlevel import check_count
 
 __all__ = [
     "DEFAULT_RPC_TIMEOUT",
@@ -44,6 +43,7 @@ __all__ = [
     "check_peer_name",
     "check_rpc_timeout",
     "current_agent",
+    "current_agent_or_none",
     "find_engine",
     "installed_engines",
     "is_async_execution",
@@ -267,6 +267,11 @@ def current_agent() -> RpcAgent:
             "first"
         )
     return agent
+
+
+def current_agent_or_none() -> RpcAgent | None:
+    """This process's agent, or None if this process is no peer."""
+    return _current
 
 
 def set_current_agent(agent: RpcAgent | None) -> RpcAgent | None:

@@ -17,23 +17,21 @@ import pickle
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+import distributed
 from distributed import SpecCluster
 from distributed.comm.addressing import get_address_host
 from distributed.worker import _worker_cvar as _worker_context
 
 import aiopar
-from aiopar.backends import set_callback_runner, set_waiter
+from aiopar.lowlevel import HAVE_MEMFD, SegmentPool, set_callback_runner, set_waiter
 from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
 
 from . import _errors, _wire
 from ._link import Link, Timeouts, fail
 from ._settle import Settler
 from ._worker import Seceder
-
-if TYPE_CHECKING:
-    from ._peer import Peer
 
 __all__ = ["COMPENSATION_LIMIT", "DaskRpcAgent", "close_peer", "polls"]
 
@@ -65,12 +63,18 @@ class _Where(NamedTuple):
 
 
 class DaskRpcAgent(RpcAgent):
-    """The rpc agent of one :class:`Peer`."""
+    """The rpc agent of one peer: the dask ``worker`` it serves calls in,
+    with id ``peer_id``; ``token`` tells this peer from the others on the
+    scheduler (see :meth:`shutdown`)."""
 
-    def __init__(self, worker: Peer, peer_id: int, default_timeout: float) -> None:
+    def __init__(
+        self, worker: distributed.Worker, peer_id: int, default_timeout: float, token: str
+    ) -> None:
         self._worker = worker
         self._id = peer_id
         self._default_timeout = default_timeout
+        self._token = token
+        self._secret: bytes | None = None  # the cluster's, once this peer listens
         self._lock = threading.Lock()
         self._peers: dict[str, _Where] = {}  # by name
         self._links: dict[str, Link] = {}  # by callee name
@@ -82,11 +86,29 @@ class DaskRpcAgent(RpcAgent):
         self._hub = _wire.Hub(thread_init=lambda: set_callback_runner(self._settler.call))
         self._listener: _wire.Listener | None = None
         # Big buffers to peers of this machine go through shared memory from here.
-        self._segments = _wire.SegmentPool() if _wire.HAVE_MEMFD else None
+        self._segments = SegmentPool() if HAVE_MEMFD else None
         self._stopped: BaseException | None = None
         self._scheduler_gone: str | None = None  # why the peers cannot be looked up
         self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
         self.on_close: Callable[[], None] | None = None
+
+    @property
+    def worker(self) -> distributed.Worker:
+        """The dask worker this peer serves its calls in."""
+        return self._worker
+
+    @property
+    def hub(self) -> _wire.Hub:
+        return self._hub
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self._timeouts
+
+    @property
+    def stopped(self) -> BaseException | None:
+        """Why this peer stopped serving and calling, or None while it serves."""
+        return self._stopped
 
     @property
     def port(self) -> int:
@@ -115,7 +137,7 @@ class DaskRpcAgent(RpcAgent):
     def peer(self, to: str | int) -> WorkerInfo:
         found = self._lookup(to)
         if found is None and self._scheduler_gone is None:
-            self._run(self._refresh_peers())
+            self._run(self.refresh_peers())
             found = self._lookup(to)
         if found is None:
             listing = ", ".join(f"{info.name} (id {info.id})" for info in self.peers()) or "none"
@@ -130,7 +152,7 @@ class DaskRpcAgent(RpcAgent):
 
     def peers(self) -> list[WorkerInfo]:
         if self._scheduler_gone is None:  # else: the peers known when it went
-            self._run(self._refresh_peers())
+            self._run(self.refresh_peers())
         with self._lock:
             return sorted((p.info for p in self._peers.values()), key=lambda info: info.id)
 
@@ -173,13 +195,13 @@ class DaskRpcAgent(RpcAgent):
                 self._run(self._leave_together(deadline), timeout=None)
             self._run(close_peer(self._worker, self.cluster), timeout=None)
         finally:  # whatever failed above, no thread of this peer stays
-            self._join()
+            self.join()
             if self.on_close is not None:
                 self.on_close()
 
     # -- the caller's side -------------------------------------------------------------
 
-    def _lose_scheduler(self, reason: str) -> None:
+    def lose_scheduler(self, reason: str) -> None:
         """The scheduler is gone: the peers known now are all this peer will know."""
         self._scheduler_gone = reason
 
@@ -189,7 +211,8 @@ class DaskRpcAgent(RpcAgent):
                 return self._peers.get(to)
             return next((p for p in self._peers.values() if p.info.id == to), None)
 
-    async def _refresh_peers(self) -> None:
+    async def refresh_peers(self) -> None:
+        """Look the peers up on the scheduler again."""
         identity = await self._worker.scheduler.identity(n_workers=-1)
         peers = {
             str(w["name"]): _Where(
@@ -217,7 +240,7 @@ class DaskRpcAgent(RpcAgent):
             assert found is not None
         host = get_address_host(found.address)
         context = self._worker.connection_args.get("ssl_context")
-        secret = self._worker.rpc_secret
+        secret = self._secret
         assert secret is not None  # set before the peer listens, and so before any call
         connection = _wire.connect(
             host,
@@ -240,7 +263,7 @@ class DaskRpcAgent(RpcAgent):
         connection.close()  # another thread connected first
         return link
 
-    def _forget_link(self, link: Link) -> None:
+    def forget_link(self, link: Link) -> None:
         """A broken link: the next call reconnects, to wherever the peer is then
         (the nanny of an embedded cluster restarts a dead peer elsewhere)."""
         with self._lock:
@@ -252,7 +275,9 @@ class DaskRpcAgent(RpcAgent):
 
     # -- the callee's side ----------------------------------------------------------------
 
-    def _listen(self, host: str, secret: bytes) -> None:
+    def listen(self, host: str, secret: bytes) -> None:
+        """Serve calls on ``host`` from peers that hold the cluster's ``secret``."""
+        self._secret = secret
         context = self._worker.security.get_listen_args("worker").get("ssl_context")
         self._listener = _wire.Listener(
             self._hub, host, context, secret, self._on_call, self._segments
@@ -295,7 +320,7 @@ class DaskRpcAgent(RpcAgent):
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def _stop(self, reason: BaseException) -> None:
+    def stop(self, reason: BaseException) -> None:
         """Stop serving and calling (on the loop: nothing here waits for threads)."""
         with self._lock:
             if self._stopped is not None:
@@ -309,8 +334,8 @@ class DaskRpcAgent(RpcAgent):
         self._timeouts.close()
         self._settler.close(timeout=0)
 
-    def _join(self) -> None:
-        """Wait for the threads that _stop told to end."""
+    def join(self) -> None:
+        """Wait for the threads that :meth:`stop` told to end."""
         if self._listener is not None:
             self._listener.close()
         thread = self._timeouts.close()
@@ -340,11 +365,11 @@ class DaskRpcAgent(RpcAgent):
             try:
                 await self._meet_the_others(deadline)
             except OSError as exc:  # the scheduler went meanwhile
-                self._lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
+                self.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
 
     async def _meet_the_others(self, deadline: float | None) -> None:
         scheduler = self._worker.scheduler
-        await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._worker.rpc_token], value=1)
+        await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._token], value=1)
         async for _ in polls(deadline):
             if self._scheduler_gone is not None:
                 return
@@ -392,12 +417,12 @@ def _reply_value(connection: _wire.Connection, call_id: int, value: Any) -> None
         )
         _reply_error(connection, call_id, error)
         return
-    with contextlib.suppress(OSError):  # the caller is gone
+    with contextlib.suppress(_wire.ConnectionClosed):  # the caller is gone
         connection.send(_wire.VALUE, call_id, *frames, wait=False)  # never blocks the pool
 
 
 def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException) -> None:
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(_wire.ConnectionClosed):
         connection.send(_wire.ERROR, call_id, *_wire.dumps(_errors.pack(exc)), wait=False)
 
 
@@ -441,7 +466,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-async def close_peer(worker: Peer | None, cluster: SpecCluster | None) -> None:
+async def close_peer(worker: distributed.Worker | None, cluster: SpecCluster | None) -> None:
     if worker is not None:
         await worker.close(reason="aiopar.rpc.shutdown")
     if cluster is not None:

@@ -18,7 +18,8 @@ from distributed import Client, KilledWorker, LocalCluster, Security
 from distributed.client import FutureCancelledError
 
 import aiopar
-from aiopar.backends import Backend, Task, at_exit, check_count
+from aiopar.backends import Backend, Task
+from aiopar.lowlevel import at_exit, check_count
 
 from ._cluster import loopback_cluster_options
 from ._errors import RemoteFailure, unpack
@@ -182,7 +183,14 @@ class DaskBackend(Backend):
         # dask groups keys by the part before the last dash: the task's name.
         key = f"{task.name}-{uuid.uuid4().hex}"
         dask_future = client.submit(
-            runner, fn, task.args, task.kwargs, record is not None, key=key, pure=False
+            runner,
+            nested_backend,
+            fn,
+            task.args,
+            task.kwargs,
+            record is not None,
+            key=key,
+            pure=False,
         )
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
         with self._lock:
@@ -312,6 +320,21 @@ def _check_options(
         raise TypeError(f"processes must be True or False, got {processes!r}")
     if security is not None and not isinstance(security, Security):
         raise TypeError(f"security must be a distributed.Security, got {type(security).__name__}")
+
+
+_nested: DaskBackend | None = None
+_nested_lock = threading.Lock()
+
+
+def nested_backend() -> DaskBackend:
+    """In a dask worker: the backend of forks made inside tasks, this
+    worker's cluster. It connects its client on the first such fork, not
+    before."""
+    global _nested
+    with _nested_lock:
+        if _nested is None or _nested.closed:
+            _nested = DaskBackend(_client_factory=distributed.get_client)
+        return _nested
 
 
 _live: weakref.WeakSet[DaskBackend] = weakref.WeakSet()

@@ -24,15 +24,12 @@ from typing import Any
 import distributed
 from distributed import Security, SpecCluster
 
-import aiopar
-from aiopar.backends import at_exit
-from aiopar.rpc.agent import RpcBackendOptions, set_current_agent
+from aiopar.lowlevel import at_exit
+from aiopar.rpc.agent import RpcBackendOptions, current_agent_or_none, set_current_agent
 
 from . import _wire
 from ._agent import DaskRpcAgent, close_peer, polls
-from ._cluster import LOOPBACK, protocol_for
-from ._http import TlsScheduler
-from ._nanny import FreshNanny
+from ._cluster import LOOPBACK, FreshNanny, TlsScheduler, protocol_for
 from ._peer import JOINED_KEY, SECRET_KEY, Peer
 from ._reach import check_scheduler
 
@@ -216,13 +213,13 @@ async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) 
     """torch's rendezvous: return once ranks 0 to ``world_size - 1`` have
     each joined the scheduler (counted when they join, so a rank that has
     joined and left already counts too)."""
-    scheduler = agent._worker.scheduler
+    scheduler = agent.worker.scheduler
     missing: list[int] = []
     async for _ in polls(time.monotonic() + timeout if timeout else None):
         joined = await scheduler.get_metadata(keys=[JOINED_KEY], default={})
         missing = [rank for rank in range(world_size) if str(rank) not in joined]
         if not missing:
-            await agent._refresh_peers()
+            await agent.refresh_peers()
             return
     raise TimeoutError(
         f"init_rpc waited {timeout:g} s for ranks 0 to {world_size - 1} to join, and "
@@ -352,8 +349,8 @@ def _undo(runner: _LoopThread, parts: _Parts) -> None:
         runner.run(close_peer(parts.peer, parts.cluster))
         if parts.peer is not None:
             agent = parts.peer.rpc_agent
-            agent._join()
-            if aiopar.rpc.agent._current is agent:  # Peer.start_unsafe made it current
+            agent.join()
+            if current_agent_or_none() is agent:  # Peer.start_unsafe made it current
                 set_current_agent(None)
     finally:
         runner.stop()
@@ -380,7 +377,7 @@ def _disown(agent: DaskRpcAgent) -> None:
     at the child's exit: the peer's and the scheduler's directories, and
     the embedded cluster. (Its nannies are no children of the child, which
     cannot wait for them, so asyncio leaves them alone too.)"""
-    servers: list[Any] = [agent._worker]
+    servers: list[Any] = [agent.worker]
     cluster = agent.cluster
     if cluster is not None:
         SpecCluster._instances.discard(cluster)
@@ -398,12 +395,12 @@ def _leave_at_exit() -> None:
     """A peer whose process exits without ``rpc.shutdown()`` leaves anyway,
     its cluster and worker processes too."""
     for agent in list(_started):
-        if agent._stopped is None:
+        if agent.stopped is None:
             try:
                 agent.shutdown(graceful=False)
             except Exception:
                 _logger.exception("closing rpc peer %r at exit", agent.worker_info.name)
-            if aiopar.rpc.agent._current is agent:
+            if current_agent_or_none() is agent:
                 set_current_agent(None)
 
 

@@ -4,7 +4,8 @@ A caller keeps one connection to each callee it calls (see ``_wire`` for why
 not a dask comm) and writes its calls on it from its own thread; the
 process's hub reads the replies and settles the calls' futures (their
 callbacks run elsewhere: see ``set_callback_runner``). :class:`Timeouts`
-fails the calls that have no reply by their deadline.
+fails the calls that have no reply by their deadline. What a link needs of
+the agent whose calls it carries is a :class:`Caller`.
 """
 
 from __future__ import annotations
@@ -15,28 +16,44 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiopar
-from aiopar.backends import set_callback_runner
+from aiopar.lowlevel import set_callback_runner
 
 from . import _errors, _wire
 
-if TYPE_CHECKING:
-    from ._agent import DaskRpcAgent
-
-__all__ = ["Link", "Reply", "Timeouts", "fail", "read_reply", "settle_reply"]
+__all__ = ["Caller", "Link", "Reply", "Timeouts", "fail", "read_reply", "settle_reply"]
 
 _TICK = 0.05  # timeouts are checked this often
+
+
+class Caller(Protocol):
+    """The peer whose calls links carry."""
+
+    @property
+    def hub(self) -> _wire.Hub:
+        """The hub that reads this peer's connections."""
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The deadlines of this peer's pending calls."""
+
+    @property
+    def stopped(self) -> BaseException | None:
+        """Why this peer stopped calling, or None while it calls."""
+
+    def forget_link(self, link: Link) -> None:
+        """``link`` broke: the next call to its callee connects anew."""
 
 
 class Link:
     """This peer's connection to one callee, and the calls waiting for its replies."""
 
     def __init__(
-        self, agent: DaskRpcAgent, name: str, address: str, connection: _wire.Connection
+        self, caller: Caller, name: str, address: str, connection: _wire.Connection
     ) -> None:
-        self.agent = agent
+        self._caller = caller
         self.name = name
         self.address = address
         self.connection = connection
@@ -45,7 +62,7 @@ class Link:
         # call id -> (future, what was called, its timeout's tick or None)
         self.pending: dict[int, tuple[aiopar.Future[Any], str, int | None]] = {}
         self.broken: BaseException | None = None
-        connection.serve(agent._hub, _wire.messages(connection, self._on_reply), self.fail_all)
+        connection.serve(caller.hub, _wire.messages(connection, self._on_reply), self.fail_all)
 
     def call(self, future: aiopar.Future[Any], what: str, frames: Any, timeout: float) -> None:
         with self.lock:
@@ -54,14 +71,14 @@ class Link:
             call_id = next(self.ids)
             # 0, infinity and more than a lock can wait: no limit (aiopar.rpc gives 0 for all)
             limited = 0 < timeout <= threading.TIMEOUT_MAX
-            tick = self.agent._timeouts.add(timeout, self, call_id) if limited else None
+            tick = self._caller.timeouts.add(timeout, self, call_id) if limited else None
             self.pending[call_id] = (future, what, tick)
         deadline = time.monotonic() + timeout if limited else None
         try:
             self.connection.send(
                 _wire.CALL, call_id, *frames, deadline=deadline, abandoned=future.done
             )
-        except OSError as exc:
+        except _wire.ConnectionClosed as exc:
             self.fail_all(exc)
 
     def pop(self, call_id: int) -> tuple[aiopar.Future[Any], str] | None:
@@ -72,7 +89,7 @@ class Link:
             return None
         future, what, tick = entry
         if tick is not None:
-            self.agent._timeouts.discard(tick, self, call_id)
+            self._caller.timeouts.discard(tick, self, call_id)
         return future, what
 
     def _on_reply(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
@@ -89,12 +106,12 @@ class Link:
 
     def fail_all(self, exc: BaseException) -> None:
         """The connection broke: every pending call fails, naming the peer."""
-        stopped = self.agent._stopped
+        stopped = self._caller.stopped
         with self.lock:
             if self.broken is None:
                 self.broken = stopped or self._gone(exc, "")
             call_ids = list(self.pending)
-        self.agent._forget_link(self)
+        self._caller.forget_link(self)
         self.connection.close()
         for call_id in call_ids:
             entry = self.pop(call_id)

@@ -27,8 +27,7 @@ from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 
 from . import _wire
 from ._agent import DaskRpcAgent
-from ._http import TlsHttp
-from ._quiet import QuietWorker
+from ._cluster import QuietWorker, TlsHttp
 
 __all__ = ["JOINED_KEY", "SECRET_KEY", "Peer"]
 
@@ -76,20 +75,20 @@ class Peer(TlsHttp, QuietWorker):
         rpc_secret: bytes | None = None,
         **kwargs: Any,
     ) -> None:
-        self.rpc_token = uuid.uuid4().hex
+        token = uuid.uuid4().hex
         self.rpc_secret = rpc_secret
         kwargs["startup_information"] = {
             **kwargs.get("startup_information", {}),
             "aiopar_id": _Value(peer_id),
             "aiopar_joined": _Value(joined),
-            "aiopar_token": _Value(self.rpc_token),
+            "aiopar_token": _Value(token),
             "aiopar_rpc_port": _rpc_port,
             "aiopar_rpc_local": _rpc_local,
         }
         kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)
         self.joined = joined
-        self.rpc_agent = DaskRpcAgent(self, peer_id, rpc_timeout)
+        self.rpc_agent = DaskRpcAgent(self, peer_id, rpc_timeout, token)
 
     async def start_unsafe(self) -> Peer:
         await super().start_unsafe()  # type: ignore[no-untyped-call]
@@ -119,10 +118,10 @@ class Peer(TlsHttp, QuietWorker):
                 callback.stop()
         gone = f"the scheduler at {self.scheduler.address} is gone"
         _logger.warning("rpc peer %r: %s; calls to the peers it knows go on", self.name, gone)
-        self.rpc_agent._lose_scheduler(gone)
+        self.rpc_agent.lose_scheduler(gone)
 
     async def close(self, *args: Any, **kwargs: Any) -> Any:
-        self.rpc_agent._stop(RuntimeError(f"rpc peer {self.name!r} is shutting down"))
+        self.rpc_agent.stop(RuntimeError(f"rpc peer {self.name!r} is shutting down"))
         return await super().close(*args, **kwargs)
 
 
@@ -135,7 +134,7 @@ class _Listen(distributed.WorkerPlugin):
     async def setup(self, worker: Peer) -> None:  # type: ignore[override]
         if worker.rpc_secret is None:
             worker.rpc_secret = await _cluster_secret(worker)
-        worker.rpc_agent._listen(worker.ip, worker.rpc_secret)
+        worker.rpc_agent.listen(worker.ip, worker.rpc_secret)
 
 
 async def _cluster_secret(worker: Peer) -> bytes:

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from aiopar.backends import set_waiter
+from aiopar.lowlevel import set_waiter
 
 __all__ = ["Settler"]
 

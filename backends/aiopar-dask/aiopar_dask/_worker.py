@@ -1,7 +1,8 @@
 """What runs inside a dask worker: the task wrapper and its thread's waiter.
 
-A forked task runs under ``use_backend`` of the worker's own client, so the
-forks it makes go to the cluster too, and with a :class:`Seceder` as its
+A forked task runs under ``use_backend`` of a backend on the worker's own
+client (the forking backend says which, as the task's first argument), so
+the forks it makes go to the cluster too, and with a :class:`Seceder` as its
 thread's waiter, so waiting on them gives the thread back to the worker.
 """
 
@@ -18,7 +19,7 @@ from distributed.threadpoolexecutor import secede as _leave_pool
 from distributed.threadpoolexecutor import thread_state as _pool_thread_state
 
 import aiopar
-from aiopar.backends import set_waiter
+from aiopar.lowlevel import set_waiter
 
 from ._errors import RemoteFailure, pack
 
@@ -64,39 +65,27 @@ def _in_dask_pool() -> bool:
     return getattr(_pool_thread_state, "executor", None) is not None
 
 
-_nested: aiopar.Backend | None = None
-_nested_lock = threading.Lock()
-
-
-def _nested_backend() -> aiopar.Backend:
-    """The backend of forks made inside tasks: this worker's cluster. It
-    connects its client on the first such fork, not before."""
-    global _nested
-    with _nested_lock:
-        if _nested is None or _nested.closed:
-            from ._backend import DaskBackend
-
-            _nested = DaskBackend(_client_factory=distributed.get_client)
-        return _nested
-
-
 def _timing(t0: int, value: Any) -> tuple[Any, int, int, int, int, str]:
     worker = distributed.get_worker()
     return value, t0, time.time_ns(), os.getpid(), threading.get_native_id(), worker.name
 
 
 def run_task(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timed: bool
+    nested: Callable[[], aiopar.Backend],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timed: bool,
 ) -> Any:
-    """Run a forked call in a dask worker thread (with wall-clock times if
-    ``timed``). A failure is returned, not raised, as a :class:`RemoteFailure`:
-    to dask the task succeeded, so its worker logs no "Compute Failed" for a
-    failure that the user's code handles (the future reports one nobody
-    retrieves)."""
+    """Run a forked call in a dask worker thread, its forks going to
+    ``nested()`` (with wall-clock times if ``timed``). A failure is
+    returned, not raised, as a :class:`RemoteFailure`: to dask the task
+    succeeded, so its worker logs no "Compute Failed" for a failure that the
+    user's code handles (the future reports one nobody retrieves)."""
     t0 = time.time_ns() if timed else 0
     previous = set_waiter(Seceder(is_task=True))
     try:
-        with aiopar.use_backend(_nested_backend()):
+        with aiopar.use_backend(nested()):
             value = fn(*args, **kwargs)
     except Exception as exc:
         return RemoteFailure(pack(exc))
@@ -106,13 +95,17 @@ def run_task(
 
 
 async def run_task_async(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timed: bool
+    nested: Callable[[], aiopar.Backend],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timed: bool,
 ) -> Any:
-    """Await a forked coroutine function on the dask worker's event loop; a
-    failure is returned as :func:`run_task`'s is."""
+    """Await a forked coroutine function on the dask worker's event loop; its
+    forks and a failure go as :func:`run_task`'s do."""
     t0 = time.time_ns() if timed else 0
     try:
-        with aiopar.use_backend(_nested_backend()):
+        with aiopar.use_backend(nested()):
             value = await fn(*args, **kwargs)
     except Exception as exc:
         return RemoteFailure(pack(exc))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import distributed
 import pytest
 from aiopar_dask import DaskBackend
-from aiopar_dask._quiet import HEARTBEAT_FAILED, QuietWorker
+from aiopar_dask._cluster import HEARTBEAT_FAILED, QuietWorker
 
 pytestmark = pytest.mark.timeout(60)
 

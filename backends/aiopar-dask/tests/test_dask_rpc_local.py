@@ -18,12 +18,15 @@ import sys
 import numpy as np
 import pytest
 from aiopar_dask import _wire
+from aiopar_dask._wire import handshake
 from dask_helpers import run_python, wait_until
+
+from aiopar.lowlevel import HAVE_MEMFD, SegmentPool
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        sys.platform != "linux" or not _wire.HAVE_MEMFD, reason="memfd and abstract Unix sockets"
+        sys.platform != "linux" or not HAVE_MEMFD, reason="memfd and abstract Unix sockets"
     ),
 ]
 
@@ -35,7 +38,7 @@ class Echo:
 
     def __init__(self, secret: bytes) -> None:
         self.hub = _wire.Hub(name="aiopar-rpc-io-test")
-        self.segments = _wire.SegmentPool()
+        self.segments = SegmentPool()
         self.kept: queue.Queue[object] = queue.Queue()
 
         def echo(connection: _wire.Connection, kind: int, call_id: int, frames: object) -> None:
@@ -56,7 +59,7 @@ class Caller:
 
     def __init__(self, echo: Echo, secret: bytes, local: str | None) -> None:
         self.hub = _wire.Hub(name="aiopar-rpc-io-test")
-        self.segments = _wire.SegmentPool()
+        self.segments = SegmentPool()
         self.connection = _wire.connect(
             "127.0.0.1",
             echo.listener.port,
@@ -154,7 +157,7 @@ def test_a_name_that_nothing_listens_on_here_means_tcp(pair):
 def test_tls_keeps_to_tcp():
     hub = _wire.Hub(name="aiopar-rpc-io-test")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    listener = _wire.Listener(hub, "127.0.0.1", context, b"s" * 32, print, _wire.SegmentPool())
+    listener = _wire.Listener(hub, "127.0.0.1", context, b"s" * 32, print, SegmentPool())
     try:
         assert listener.local is None  # every byte encrypted, none in shared memory
     finally:
@@ -190,7 +193,7 @@ def open_fds() -> int:
 def test_a_stranger_on_the_unix_socket_gets_nothing_and_leaves_no_descriptor(
     pair, monkeypatch, count
 ):
-    monkeypatch.setattr(_wire, "HANDSHAKE_TIMEOUT", 0.5)
+    monkeypatch.setattr(handshake, "HANDSHAKE_TIMEOUT", 0.5)
     echo, _ = pair()
     before = open_fds()
     fds = [os.memfd_create("stranger") for _ in range(count)]

@@ -30,9 +30,9 @@ CLUSTER = """
     import json, sys, time
     import distributed
     from aiopar import rpc
-    import aiopar_dask._wire
+    import aiopar_dask._wire.handshake
 
-    aiopar_dask._wire.HANDSHAKE_TIMEOUT = 0.5  # this process's listener: worker0's
+    aiopar_dask._wire.handshake.HANDSHAKE_TIMEOUT = 0.5  # this process's listener: worker0's
     security = distributed.Security.temporary() if sys.argv[1] == "tls" else None
     rpc.init_rpc("worker0", world_size=2,
                  rpc_backend_options=rpc.RpcBackendOptions(security=security))

@@ -179,7 +179,7 @@ def test_odd_frames_cross_in_one_read_and_in_pieces():
             sender.connection.send(_wire.VALUE, call_id, *_wire.dumps(payload))
         assert reader.take(len(payloads)) == [(_wire.VALUE, i, p) for i, p in enumerate(payloads)]
         sender.close()
-        assert isinstance(reader.received.get(timeout=10), EOFError)  # its end closed
+        assert isinstance(reader.received.get(timeout=10), _wire.ConnectionClosed)  # its end closed
     finally:
         sender.close()
         reader.close()

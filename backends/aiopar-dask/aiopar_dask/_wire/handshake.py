@@ -19,8 +19,16 @@ import secrets
 from collections.abc import Callable, Generator
 from typing import Protocol
 
-__all__ = ["BlockingChannel", "Channel", "admit", "new_secret", "prove_to_listener"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT",
+    "BlockingChannel",
+    "Channel",
+    "admit",
+    "new_secret",
+    "prove_to_listener",
+]
 
+HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to prove it is a peer
 MAGIC = b"aiopar-rpc/1\n"
 _NONCE = _MAC = 32  # bytes (HMAC-SHA256)
 
