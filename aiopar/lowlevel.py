@@ -25,7 +25,7 @@ from ._fresh import fresh_python
 from ._future import set_callback_runner
 from ._shm import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
 from ._waiter import Waiter, get_waiter, set_waiter
-from .backends._base import at_exit
+from .backends._exit import at_exit
 
 __all__ = [
     "HAVE_MEMFD",

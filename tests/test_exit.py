@@ -250,7 +250,7 @@ def test_a_plugins_exit_hook_runs_after_queued_work_and_before_shutdown():
     done = run_python(
         """
         import time, aiopar
-        from aiopar.backends import at_exit
+        from aiopar.lowlevel import at_exit
 
         pool = aiopar.get_backend("thread", max_workers=1)
 

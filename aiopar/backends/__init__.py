@@ -17,30 +17,9 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from .._fresh import fresh_python
-from .._future import set_callback_runner
-from .._shm import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
-from .._waiter import Waiter, get_waiter, set_waiter
-from ._base import Backend, Task, at_exit, check_count
+from ._base import Backend, Task
 
-__all__ = [
-    "HAVE_MEMFD",
-    "Backend",
-    "Segment",
-    "SegmentPool",
-    "Task",
-    "Waiter",
-    "aligned",
-    "at_exit",
-    "available_backends",
-    "check_count",
-    "create_backend",
-    "fresh_python",
-    "get_waiter",
-    "map_segment",
-    "set_callback_runner",
-    "set_waiter",
-]
+__all__ = ["Backend", "Task", "available_backends", "create_backend"]
 
 ENTRY_POINT_GROUP = "aiopar.backends"
 

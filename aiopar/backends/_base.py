@@ -10,15 +10,9 @@ waiter is skipped, so a backend needs no bookkeeping for either.
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours, below
 import contextvars
 import functools
 import inspect
-import os
-import sys
-import threading
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from types import BuiltinFunctionType, FunctionType, MethodType
@@ -29,9 +23,9 @@ from .._checks import check_count
 from .._errors import CancelledError
 from .._future import Future
 from .._interrupt import on_main_thread
-from .._log import logger as _logger
+from . import _exit
 
-__all__ = ["Backend", "Task", "at_exit", "check_count", "chunk_size"]
+__all__ = ["Backend", "Task", "check_count", "chunk_size"]
 
 T = TypeVar("T")
 
@@ -222,7 +216,7 @@ class Backend(ABC):
     Subclasses set :attr:`name` and implement :meth:`submit`,
     :meth:`shutdown` and :attr:`max_workers`, and call ``super().__init__()``
     so the backend is shut down (running what was queued) at interpreter
-    exit. A backend is also a context manager that shuts it down on exit.
+    exit (see ``_exit``). A backend is also a context manager that shuts it down on exit.
     """
 
     #: the name it is registered under (``get_backend(name)``)
@@ -237,7 +231,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self._closed = False
-        _live_backends.add(self)
+        _exit.track(self)
 
     @property
     def closed(self) -> bool:
@@ -366,110 +360,3 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} max_workers={self.max_workers}>"
-
-
-_live_backends: weakref.WeakSet[Backend] = weakref.WeakSet()
-
-
-_exit_hooks: list[Callable[[], object]] = []
-
-
-def at_exit(fn: Callable[[], object]) -> None:
-    """Call ``fn()`` at interpreter exit once every backend has run what was
-    queued, and before any backend shuts down.
-
-    For a plugin's own exit work that queued tasks may still need until then
-    (an rpc agent leaving its peers, say). Hooks run in the reverse order of
-    registration, as :mod:`atexit` runs its own; what one raises is logged and
-    the others still run. After an uncaught KeyboardInterrupt they run at once:
-    tasks that have not started never do then.
-    """
-    if not callable(fn):
-        raise TypeError(f"at_exit() takes a callable, got {type(fn).__name__} {fn!r:.60}")
-    _exit_hooks.append(fn)
-
-
-def _interrupted() -> bool:
-    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
-
-
-def _at_exit_stage(stage: Callable[[list[Backend]], None]) -> None:
-    """Run one stage of interpreter exit on the live backends, saying on
-    stderr what it waits for once it has waited a second; Ctrl-C then exits
-    at once."""
-    backends = list(_live_backends)
-    report = threading.Timer(1.0, _report_waiting, (backends,))
-    report.daemon = True
-    report.start()
-    try:
-        stage(backends)
-    except KeyboardInterrupt:
-        sys.stderr.write("aiopar: interrupted again, exiting without waiting\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(130)
-    finally:
-        report.cancel()
-
-
-def _drain_all(backends: list[Backend]) -> None:
-    """First stage of exit, while every thread and backend is still up: run
-    what is queued (coroutine forks on aiopar's own loop too) until nothing
-    is left anywhere, then the plugins' exit hooks."""
-    if not _interrupted():
-        # Tasks may fork on other backends and on the loop, and coroutine
-        # forks wait for tasks: round after round until all are quiet.
-        busy = True
-        while busy:
-            _loop.finish_owned_loop()
-            busy = False
-            for backend in backends:
-                busy = backend.drain() or busy
-    while _exit_hooks:
-        hook = _exit_hooks.pop()
-        try:
-            hook()
-        except Exception:
-            _logger.exception("exception in the aiopar exit hook %r", hook)
-
-
-def _shutdown_all(backends: list[Backend]) -> None:
-    """Last stage of exit: run what is left (forks made after the first
-    stage, by threads that ran on) and stop every worker. After an uncaught
-    KeyboardInterrupt, tasks that have not started never do."""
-    interrupted = _interrupted()
-    if interrupted:
-        for backend in backends:
-            backend.shutdown(wait=False, cancel_pending=True)
-    # Coroutine forks may wait for tasks, and tasks for coroutine forks:
-    # the loop runs until the pools have stopped.
-    _loop.finish_owned_loop(cancel_pending=interrupted)
-    for backend in backends:
-        backend.shutdown(wait=True, cancel_pending=interrupted)
-    _loop.finish_owned_loop(cancel_pending=interrupted)
-    _loop.close_owned_loop()
-
-
-# Draining runs where threading's own exit hooks do, before non-daemon
-# threads are joined and before any atexit handler (libraries such as
-# distributed close their clients in one); shutting down runs as an atexit
-# handler, after them. Those hooks run last registered first: registered
-# after concurrent.futures' own (which makes its executors refuse work, and
-# is registered when its thread module is first imported), the drain and the
-# plugins' hooks still find them taking work.
-threading._register_atexit(_at_exit_stage, _drain_all)  # type: ignore[attr-defined]
-atexit.register(_at_exit_stage, _shutdown_all)
-
-
-def _report_waiting(backends: list[Backend]) -> None:
-    running = [
-        f"{name} ({backend.name})" for backend in backends for name in backend.running_tasks()
-    ]
-    running += [f"{name} (coroutine)" for name in _loop.owned_loop_running()]
-    if running:
-        sys.stderr.write(
-            f"aiopar: waiting for {len(running)} running task"
-            f"{'s' if len(running) != 1 else ''} to finish before exit: "
-            f"{', '.join(running)}; press Ctrl-C again to exit now\n"
-        )
-        sys.stderr.flush()
