@@ -164,3 +164,27 @@ def test_parallel_info_says_nothing_of_nn_until_it_is_imported() -> None:
     done = run_python("import aiopar; print(aiopar.parallel_info())")
     assert done.returncode == 0, done.stderr
     assert "LSTM engine" not in done.stdout
+
+
+def test_a_child_forked_while_a_lock_was_held_runs_an_lstm() -> None:
+    # Another thread may be lending a workspace or choosing the engine when
+    # os.fork() happens: the child must not inherit those locks held.
+    done = run_python(
+        """
+        import os
+        import numpy as np
+        from aiopar.nn import LSTM, _engine, _recurrence, set_lstm_engine
+        lstm = LSTM(4, 6, seed=0)
+        with _recurrence._spare_lock, _engine._lock:
+            pid = os.fork()
+            if pid == 0:
+                set_lstm_engine("numpy")
+                lstm(np.ones((3, 2, 4), np.float32))
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+        """,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"

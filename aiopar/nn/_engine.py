@@ -54,6 +54,14 @@ _preference: Preference | None = None  # set_lstm_engine's; None: the environmen
 _decided: dict[Preference, _Choice] = {}  # by set_lstm_engine's preference: a switch back is free
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a choice under way in another thread is not coming back
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def step_factory() -> StepFactory:
     """The recurrent step of the engine that runs (chosen at the first call)."""
     choice = _choice or _choose()

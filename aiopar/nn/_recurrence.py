@@ -32,6 +32,7 @@ on every call).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -130,6 +131,16 @@ class Workspace:
 
 _spare: list[Workspace] = []
 _spare_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # Only the forking thread survives: a lender in another thread may have
+    # held the lock, and its workspace is not coming back.
+    global _spare_lock
+    _spare_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
