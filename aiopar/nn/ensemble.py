@@ -160,27 +160,23 @@ class LSTMEnsemble(Module):
         n_streams = max(1, min(aiopar.get_backend().max_workers, len(directions)))
         size, extra = divmod(len(directions), n_streams)
         streams: list[tuple[list[_Job], list[np.ndarray]]] = []
-        # A stream adds into a half of the output if it is the first to
-        # touch that half, else into a buffer of its own, added at the end.
-        owner: dict[int, int] = {}
-        later: list[tuple[np.ndarray, np.ndarray]] = []
+        owner: dict[int, int] = {}  # half -> the stream that adds into it directly
+        later: list[tuple[np.ndarray, np.ndarray]] = []  # (half, a buffer to add to it)
         start = 0
         for k in range(n_streams):
             end = start + size + (k < extra)
             jobs: list[_Job] = []
             targets: list[np.ndarray] = []
-            slot: dict[int, int] = {}
+            slot: dict[int, int] = {}  # half -> its index in targets
             for cell, half in directions[start:end]:
-                if half not in slot:
+                fresh = half not in slot
+                if fresh:
                     slot[half] = len(targets)
                     if owner.setdefault(half, k) == k:
                         targets.append(halves[half])
-                    else:
+                    else:  # another stream adds into this half: this one gets a buffer
                         targets.append(np.empty_like(halves[half]))
                         later.append((halves[half], targets[-1]))
-                    fresh = True
-                else:
-                    fresh = False
                 jobs.append(_Job(cell, reverse=half == 1, target=slot[half], accumulate=not fresh))
             streams.append((jobs, targets))
             start = end
