@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -129,9 +129,9 @@ def _decide() -> _Choice:
                 numpy_step,
                 f"{source} is not one of {', '.join(_PREFERENCES)}, so numpy runs",
             )
-        preference = raw  # type: ignore[assignment]
+        preference = cast("Preference", raw)
     if preference == "numpy":
-        return _Choice("numpy", numpy_step, f"{source}")
+        return _Choice("numpy", numpy_step, source)
     try:
         onednn = load()
         kernel = _self_test(onednn)
