@@ -301,6 +301,18 @@ def test_shutting_an_executor_down_leaves_its_backend_serving_others(pool):
     assert not pool.closed
 
 
+@pytest.mark.parametrize("end", ["shutdown without waiting", "dropped"])
+def test_map_results_still_come_once_the_executor_is_shut_down_or_dropped(end):
+    executor = aiopar.Executor()
+    results = executor.map(abs, range(-5, 5))
+    if end == "dropped":
+        del executor
+        gc.collect()
+    else:
+        executor.shutdown(wait=False)
+    assert list(results) == [5, 4, 3, 2, 1, 0, 1, 2, 3, 4]
+
+
 def test_shutdown_returns_while_a_call_keeps_submitting_itself():
     # A call that submits itself again and again: shutdown stops it taking
     # more (the stdlib pool's does), where shutting the backend down let a
@@ -341,6 +353,27 @@ def test_calls_submitted_and_never_waited_for_still_run_at_exit(backend):
     )
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split()) == ["apple", "pear"]
+
+
+def test_exit_after_a_shutdown_that_cancelled_the_queued_calls_runs_none_of_them():
+    done = run_python(
+        """
+        import time
+        import aiopar
+
+        def late(message):
+            time.sleep(0.1)
+            print(message, flush=True)
+
+        executor = aiopar.Executor(max_workers=1)
+        for message in ("apple", "pear", "plum"):
+            executor.submit(late, message)
+        executor.shutdown(wait=False, cancel_futures=True)
+        """,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout in ("", "apple\n")  # the first call may have started
 
 
 def test_submit_after_interpreter_shutdown_raises_runtime_error():
