@@ -14,6 +14,8 @@ round (so they see the same machine load) and each gets its median:
   the function (a closure for aiopar and loky; ``functools.partial`` for
   ProcessPoolExecutor, whose pickle cannot carry a closure), and a strided
   (non-contiguous) 100 MB slice;
+- map of 10,000 small calls, against ProcessPoolExecutor.map with its own
+  default chunksize (1) and with aiopar's (four chunks per worker);
 - a plain 100 MB memcpy (``np.copyto`` into a warm buffer) as the anchor.
 
 Every pool has two workers and is warmed up before it is timed. The task
@@ -22,12 +24,13 @@ aiopar sends them by value (cloudpickle), ProcessPoolExecutor by reference
 (its workers are forked from this process). loky's row is skipped when it is
 not installed.
 
-Each row shows wall time and CPU time per task; CPU time is this process's
-(every thread) plus that of every worker process, so it counts the work a
-round trip costs wherever it runs, and holds steady on a busy machine where
-wall time does not. The last columns are each contender's time over
-aiopar's, wall and CPU (above 1: aiopar is faster), or aiopar's wall time
-in memcpys of the same size.
+Each row shows the median wall time and CPU time per task; CPU time is
+this process's (every thread) plus that of every worker process, so it
+counts the work a round trip costs wherever it runs, and holds steady on a
+busy machine where wall time does not. The last columns are each contender's time over
+aiopar's, wall and CPU (above 1: aiopar is faster), the median of the
+ratios of neighbouring turns; or aiopar's wall time in memcpys of the same
+size.
 
 Run: ``python benchmarks/process.py [--rounds 5] [--small 2000]``
 """
@@ -36,12 +39,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -118,10 +122,20 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median (wall, CPU) seconds of each run, after one warm-up call each,
-    the runs taking turns round by round so drift on a shared machine hits
-    them all alike."""
+class Timing(NamedTuple):
+    """One contender's median seconds in a row, and the median over rounds of
+    its time over aiopar's in the same round (pairs of neighbours in time:
+    drift on a shared machine cancels out)."""
+
+    wall: float
+    cpu: float
+    wall_ratio: float
+    cpu_ratio: float
+
+
+def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, Timing]:
+    """Time each run ``rounds`` times after one warm-up call each, the runs
+    taking turns round by round."""
     for run in runs.values():
         run()
     pids = child_pids()
@@ -134,7 +148,22 @@ def median_times(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, t
             run()
             walls[name].append(time.perf_counter() - start)
             cpus[name].append(cpu_seconds(pids) - cpu)
-    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in runs}
+    ours_wall, ours_cpu = walls.get("aiopar"), cpus.get("aiopar")
+
+    def ratio(mine: list[float], ours: list[float] | None) -> float:
+        if ours is None:
+            return math.nan
+        return statistics.median(m / o for m, o in zip(mine, ours, strict=True))
+
+    return {
+        name: Timing(
+            statistics.median(walls[name]),
+            statistics.median(cpus[name]),
+            ratio(walls[name], ours_wall),
+            ratio(cpus[name], ours_cpu),
+        )
+        for name in runs
+    }
 
 
 def closure_over(array: np.ndarray) -> Callable[[], float]:
@@ -148,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per row")
     parser.add_argument("--small", type=int, default=2000, help="small tasks per round")
+    parser.add_argument("--map", type=int, default=10_000, help="items mapped per round")
     options = parser.parse_args()
     rounds, n = options.rounds, options.small
 
@@ -171,17 +201,32 @@ def main() -> None:
         for fut in [submit(small, i) for i in range(4)]:
             fut.result()
 
-    rows: list[tuple[str, str, float, float]] = []  # (row, contender, wall and CPU per task)
-    # The small-task rows compare with the standard library only.
+    rows: list[tuple[str, str, Timing]] = []  # (row, contender, per task)
+    # The small-task rows compare with the standard library only; their
+    # rounds are short, so there are more of them.
     small_submits = {name: submit for name, submit in submits.items() if name != "loky"}
-    for name, (wall, cpu) in median_times(
-        {name: batched(submit, n) for name, submit in small_submits.items()}, rounds
-    ).items():
-        rows.append(("small tasks, batched", name, wall / n, cpu / n))
-    for name, (wall, cpu) in median_times(
-        {name: sequential(submit, n // 2) for name, submit in small_submits.items()}, rounds
-    ).items():
-        rows.append(("small tasks, sequential", name, wall / (n // 2), cpu / (n // 2)))
+    small_rows = [
+        ("small tasks, batched", batched, n),
+        ("small tasks, sequential", sequential, n // 2),
+    ]
+    for row, shape, count in small_rows:
+        runs = {name: shape(submit, count) for name, submit in small_submits.items()}
+        for name, t in median_times(runs, 3 * rounds).items():
+            rows.append((row, name, t._replace(wall=t.wall / count, cpu=t.cpu / count)))
+    # map: ProcessPoolExecutor.map's own default chunksize (1), and aiopar's
+    # (four chunks per worker, as multiprocessing.Pool.map picks it).
+    chunk = -(-options.map // (4 * 2))  # as aiopar picks it for two workers
+    mapped = range(options.map)
+    maps: dict[str, Callable[[], Any]] = {
+        "aiopar": lambda: [f.result() for f in backend.map(small, mapped)],
+        "ProcessPoolExecutor": lambda: list(pools["ProcessPoolExecutor"].map(small, mapped)),
+        f"ProcessPoolExecutor, chunksize {chunk}": lambda: list(
+            pools["ProcessPoolExecutor"].map(small, mapped, chunksize=chunk)
+        ),
+    }
+    row = f"map of {options.map:,} small items"
+    for name, t in median_times(maps, rounds).items():
+        rows.append((row, name, t._replace(wall=t.wall / options.map, cpu=t.cpu / options.map)))
     calls: list[tuple[str, dict[str, Callable[[], None]]]] = [
         (row, {name: one_call(submit, fn, arg) for name, submit in submits.items()})
         for row, fn, arg in [
@@ -202,28 +247,25 @@ def main() -> None:
     )
     calls.append(("100 MB array the function captures", captured))
     for row, runs in calls:
-        for name, (wall, cpu) in median_times(runs, rounds).items():
-            rows.append((row, name, wall, cpu))
-    memcpy, memcpy_cpu = median_times({"memcpy": lambda: np.copyto(target, array)}, rounds)[
-        "memcpy"
-    ]
-    rows.append(("memcpy 100 MB (anchor)", "numpy.copyto", memcpy, memcpy_cpu))
+        for name, t in median_times(runs, rounds).items():
+            rows.append((row, name, t))
+    memcpy = median_times({"memcpy": lambda: np.copyto(target, array)}, rounds)["memcpy"]
+    rows.append(("memcpy 100 MB (anchor)", "numpy.copyto", memcpy))
 
     backend.shutdown()
     for pool in pools.values():
         pool.shutdown()
 
-    print(f"{'row':36} {'contender':20} {'wall':>10} {'CPU':>10}  aiopar speed-up (wall, CPU)")
-    print("-" * 108)
-    ours = {row: (wall, cpu) for row, name, wall, cpu in rows if name == "aiopar"}
-    for row, name, wall, cpu in rows:
-        if row in ours and name != "aiopar":
-            ratio = f"{wall / ours[row][0]:9.2f}x {cpu / ours[row][1]:6.2f}x"
+    print(f"{'row':34} {'contender':35} {'wall':>10} {'CPU':>10}  aiopar speed-up")
+    print("-" * 118)
+    for row, name, t in rows:
+        if not math.isnan(t.wall_ratio) and name != "aiopar":
+            ratio = f"{t.wall_ratio:9.2f}x {t.cpu_ratio:6.2f}x"
         elif row.startswith("100 MB") and name == "aiopar":
-            ratio = f"{wall / memcpy:9.1f} memcpy"
+            ratio = f"{t.wall / memcpy.wall:9.1f} memcpy"
         else:
             ratio = ""
-        print(f"{row:36} {name:20} {_duration(wall)} {_duration(cpu)}  {ratio}")
+        print(f"{row:34} {name:35} {_duration(t.wall)} {_duration(t.cpu)}  {ratio}")
 
 
 def _duration(seconds: float) -> str:

@@ -199,3 +199,29 @@ class Scaler:
 
     def __call__(self, x):
         return x * self.factor
+
+
+def square(x):
+    return x * x
+
+
+def fail_on_three(x):
+    if x == 3:
+        raise ValueError(f"item {x} failed on purpose")
+    return x
+
+
+def lock_on_three(x):
+    return threading.Lock() if x == 3 else x
+
+
+def touch_and_return(directory, x):
+    with open(os.path.join(directory, str(x)), "w"):
+        pass
+    return x
+
+
+def die_on(x, doomed):
+    if x == doomed:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -33,6 +34,7 @@ from process_helpers import (
     nested_fork,
     raise_unpicklable,
     return_lock,
+    run_script,
     sleep_then,
     sleep_then_die,
 )
@@ -491,3 +493,101 @@ def _die_holding(a):
 
 def _fail_holding(a):
     raise ValueError("failed on purpose")
+
+
+# -- a waiter reads its own reply --------------------------------------------------
+
+
+def _wait_for_file(path):
+    while not os.path.exists(path):
+        time.sleep(0.005)
+    return "released"
+
+
+def test_a_waiting_thread_reads_its_reply_itself(own_pool, tmp_path):
+    # The worker is lent to the waiting thread, so the reply wakes that
+    # thread (not the manager's, which would only wake it in turn), and the
+    # future's done-callbacks run there.
+    backend = own_pool(1)
+    assert backend.fork(add, 1).wait() == 1  # the worker is up: nothing else to read
+    marker = tmp_path / "go"
+    fut = backend.fork(_wait_for_file, str(marker))
+    ran_in = []
+    fut.add_done_callback(lambda f: ran_in.append(threading.current_thread()))
+    waiter = threading.Thread(target=fut.result)
+    waiter.start()
+    worker = backend._pool.workers[0]
+    eventually(worker.read_lock.locked)  # lent to the waiter
+    marker.touch()
+    waiter.join(timeout=30)
+    assert fut.result(timeout=0) == "released"
+    assert ran_in == [waiter]
+    assert not worker.read_lock.locked()  # given back
+    assert [backend.fork(add, i, 1).wait(timeout=30) for i in range(3)] == [1, 2, 3]
+
+
+def test_waiters_on_one_worker_share_its_replies(own_pool):
+    # Several threads wait on tasks queued on one worker: one of them reads,
+    # the others are woken by the futures it settles.
+    backend = own_pool(1, prefetch=8)
+    futures = [backend.fork(sleep_then, 0.01, i) for i in range(8)]
+    results = {}
+
+    def wait(i):
+        results[i] = futures[i].result()
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == {i: i for i in range(8)}
+
+
+def test_ctrl_c_while_the_main_thread_reads_a_reply_loses_nothing(tmp_path):
+    # SIGINT lands at random points of sequential forks and waits on the
+    # main thread, some of them while it reads a reply off a worker's
+    # socket: the KeyboardInterrupt comes after the read, never inside it
+    # (where it would lose the bytes read, and the pool every frame after).
+    done = run_script(
+        tmp_path,
+        """
+        import os, random, signal, threading, time
+        import aiopar
+
+        backend = aiopar.get_backend("process", max_workers=1)
+        assert backend.fork(abs, -1).wait() == 1
+        stop = threading.Event()
+
+        def interrupt():
+            rng = random.Random(0)
+            while not stop.wait(rng.uniform(0.0005, 0.003)):
+                os.kill(os.getpid(), signal.SIGINT)
+
+        helper = threading.Thread(target=interrupt)
+        helper.start()
+        interrupted = checked = 0
+        deadline = time.monotonic() + 20
+        while interrupted < 300 and time.monotonic() < deadline:
+            try:
+                fut = backend.fork(abs, -checked)
+                assert fut.wait() == checked
+                checked += 1
+            except KeyboardInterrupt:
+                interrupted += 1
+        while True:  # the helper may send one more as it stops
+            try:
+                stop.set()
+                helper.join()
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # drops one still pending
+                break
+            except KeyboardInterrupt:
+                interrupted += 1
+        futures = [backend.fork(abs, -i) for i in range(50)]
+        assert [f.wait(timeout=30) for f in futures] == list(range(50))
+        print("ok", interrupted, checked)
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok"), done.stdout

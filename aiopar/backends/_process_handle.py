@@ -11,10 +11,12 @@ import selectors
 import signal
 import socket
 import subprocess
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import InvalidStateError
 from .._fresh import fresh_python
 from .._future import Future
 from .._shm import SegmentPool
@@ -31,18 +33,37 @@ _job_ids = itertools.count(1)
 
 
 class Job:
-    """A task on its way to a worker, already pickled."""
+    """A task on its way to a worker, already pickled: one call (a TASK
+    frame), or a chunk of :meth:`~aiopar.backends.Backend.map` (a CHUNK
+    frame) whose ``items`` are the futures of its calls."""
 
-    __slots__ = ("forks", "future", "id", "name", "packed", "task")
+    __slots__ = (
+        "forks",
+        "future",
+        "id",
+        "items",
+        "kind",
+        "name",
+        "packed",
+        "record",
+        "skip",
+        "task",
+        "worker",
+    )
 
-    def __init__(self, task: Task, packed: Packed) -> None:
+    def __init__(self, task: Task, packed: Packed, items: list[Future[Any]] | None = None) -> None:
         assert task.future is not None  # a task is submitted before it runs
-        self.task = task
+        self.task: Task | None = task  # until it is claimed
         self.future: Future[Any] = task.future
         self.name = task.name
+        self.record = task.record  # the profiler's, or None
         self.packed = packed
         self.id = next(_job_ids)
+        self.worker: Worker | None = None  # the one it was sent to
         self.forks: Any = None  # for the profiler: what the task forked in its worker
+        self.kind = wire.TASK if items is None else wire.CHUNK
+        self.items = items
+        self.skip: list[int] = []  # calls of a chunk not to make (cancelled)
         # The pickle is all that is needed now: let the arguments go even
         # while the future (which refers to the task) is kept.
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
@@ -51,9 +72,23 @@ class Job:
         """Whether the job is to be sent: its task just started, or it was
         sent before to a worker that died before it began. False if it was
         cancelled, and then its pickle is let go."""
-        if self.task.claim() is not None or self.future.running():
+        task, self.task = self.task, None
+        if task is not None and task.claim() is not None:
+            if self.items is not None:
+                self.skip = [i for i, item in enumerate(self.items) if not _claim(item)]
+            return True
+        if self.future.running():
             return True
         self.packed.discard()
+        return False
+
+
+def _claim(future: Future[Any]) -> bool:
+    """Whether the call of a chunk's item is to be made: False if its future
+    was cancelled (or settled by hand) before the chunk was sent."""
+    try:
+        return future.set_running_or_notify_cancel()
+    except InvalidStateError:
         return False
 
 
@@ -95,7 +130,15 @@ class Worker:
         self.ready = False
         self.stopping = False
         self.eof = False  # its socket has been read to the end
-        self.inflight: deque[Job] = deque()  # sent, in the order the worker runs them
+        self.inflight: deque[Job] = deque()  # handed to it, in the order it runs them
+        # Frames to send, in order: kind, message id, the job (of a TASK or
+        # CHUNK frame), what travels.
+        self.outbox: deque[tuple[int, int, Job | None, Packed]] = deque()
+        # A Channel is not thread-safe: one thread sends at a time, and one
+        # reads (the manager, or a waiter it lent the worker to).
+        self.send_lock = threading.Lock()
+        self.read_lock = threading.Lock()
+        self.parked = False  # its pidfd is out of the manager's select() while it is lent
         self.path_version = path_version  # of the sys.path it has
         self.terminated: str | None = None  # why shutdown terminated it
         self.kill_at = math.inf  # when to kill it if it has not exited by then

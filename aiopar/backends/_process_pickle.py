@@ -34,9 +34,11 @@ from .._shm import HAVE_MEMFD, Filler, Segment, SegmentPool, aligned
 __all__ = [
     "LARGE_BUFFER",
     "LARGE_PICKLE",
+    "ErrorInfo",
     "Packed",
     "RemoteError",
     "RemoteTraceback",
+    "error_info",
     "load_call",
     "pack",
     "pack_call",
@@ -344,10 +346,14 @@ def load_call(call: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     return fn, args, kwargs
 
 
-def unpicklable_part(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Name the first part of a call that does not pickle, for the error message."""
+def unpicklable_part(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], arg: str = "argument", first: int = 0
+) -> str:
+    """Name the first part of a call that does not pickle, for the error
+    message (``arg`` is what an item of ``args`` is called, the first one
+    numbered ``first``)."""
     parts: list[tuple[str, Any]] = [("the function", fn)]
-    parts += [(f"argument {i}", arg) for i, arg in enumerate(args)]
+    parts += [(f"{arg} {i}", value) for i, value in enumerate(args, first)]
     parts += [(f"keyword argument {key!r}", value) for key, value in kwargs.items()]
     for label, value in parts:
         try:
@@ -399,8 +405,17 @@ def _round_trip(data: bytes) -> bytes:
     return data
 
 
+ErrorInfo = tuple[bytes | None, str, str, str]
+
+
 def pack_error(exc: BaseException, tb: types.TracebackType | None) -> Packed:
     """``exc`` ready to send, its traceback text starting at ``tb``."""
+    return Packed(pickle.dumps(error_info(exc, tb), protocol=5), [], None, None)
+
+
+def error_info(exc: BaseException, tb: types.TracebackType | None) -> ErrorInfo:
+    """``exc`` as plain data that always pickles, its traceback text starting
+    at ``tb``, for :func:`remote_exception`."""
     tb_text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
         exc_bytes: bytes | None = _round_trip(pickle.dumps(exc, protocol=5))
@@ -414,12 +429,11 @@ def pack_error(exc: BaseException, tb: types.TracebackType | None) -> Packed:
         message = str(exc)
     except Exception:
         message = "<str() of the exception failed>"
-    info = (exc_bytes, kind, message, tb_text)
-    return Packed(pickle.dumps(info, protocol=5), [], None, None)
+    return (exc_bytes, kind, message, tb_text)
 
 
-def remote_exception(info: tuple[bytes | None, str, str, str], task_name: str) -> BaseException:
-    """The exception that :func:`pack_error` packed, with the traceback text
+def remote_exception(info: ErrorInfo, task_name: str) -> BaseException:
+    """The exception that :func:`error_info` described, with the traceback text
     as its ``__cause__``; a :class:`RemoteError` if it does not unpickle."""
     exc_bytes, kind, message, tb_text = info
     exc: BaseException | None = None

@@ -23,12 +23,27 @@ from typing import Any
 from .._shm import aligned, map_segment
 from ._process_pickle import Packed
 
-__all__ = ["ERROR", "PATH", "READY", "RELEASE", "RESULT", "TASK", "TRACE", "Channel", "Frame"]
+__all__ = [
+    "CHUNK",
+    "ERROR",
+    "PATH",
+    "READY",
+    "RELEASE",
+    "RESULT",
+    "SKIP",
+    "TASK",
+    "TRACE",
+    "Channel",
+    "Frame",
+]
 
 # kinds of frame; a TASK frame's t0 is 1 when the parent's profiler records
 # the task, and the worker then sends a TRACE frame (what the task forked
-# there) right before its RESULT or ERROR
-TASK, RESULT, ERROR, READY, RELEASE, PATH, TRACE = 1, 2, 3, 4, 5, 6, 7
+# there) right before its RESULT or ERROR. A CHUNK frame is a task of
+# Backend.map (a function and the arguments of several calls), answered by
+# one RESULT frame with an outcome per call; a SKIP frame right before it
+# names the calls not to make (their futures were cancelled).
+TASK, RESULT, ERROR, READY, RELEASE, PATH, TRACE, CHUNK, SKIP = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 # kind, segment flags, buffer count, released-id count, message id,
 # segment id, segment size, payload size, start and end times (ns)

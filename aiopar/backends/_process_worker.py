@@ -13,6 +13,7 @@ the task's result.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pickle
@@ -20,12 +21,15 @@ import signal
 import socket
 import sys
 from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
 
 from .._shm import SegmentPool
 from .._trace import capture_forks, clock
 from . import _process_wire as wire
 from . import create_backend
-from ._process_pickle import Packed, load_call, pack, pack_error
+from ._process_pickle import ErrorInfo, Packed, error_info, load_call, pack, pack_error
 from .process import redirect_forks
 
 __all__ = ["main"]
@@ -43,6 +47,7 @@ def main(fd: str, nested_backend: str) -> None:
     pool = SegmentPool()
     released: deque[int] = deque()  # parent segments this process no longer maps
     channel = wire.Channel(socket.socket(fileno=int(fd)), pool.release, released.append)
+    skip: list[int] = []  # the calls of the next chunk not to make
     try:
         channel.send(wire.READY, os.getpid())
         while True:
@@ -50,7 +55,12 @@ def main(fd: str, nested_backend: str) -> None:
             if frame is None:
                 continue
             if frame.kind == wire.TASK:
-                _run(frame, channel, pool, released)
+                _run(frame, channel, pool, released, _call)
+            elif frame.kind == wire.CHUNK:
+                _run(frame, channel, pool, released, functools.partial(_call_chunk, skip=skip))
+                skip = []
+            elif frame.kind == wire.SKIP:
+                skip = frame.loads()
             elif frame.kind == wire.PATH:
                 sys.path[:] = frame.loads()
                 importlib.invalidate_caches()
@@ -68,13 +78,19 @@ def _drain(released: deque[int]) -> list[int]:
     return ids
 
 
-def _run(frame: wire.Frame, channel: wire.Channel, pool: SegmentPool, released: deque[int]) -> None:
+def _run(
+    frame: wire.Frame,
+    channel: wire.Channel,
+    pool: SegmentPool,
+    released: deque[int],
+    call: Callable[[wire.Frame, SegmentPool], Packed],
+) -> None:
     msg_id = frame.msg_id
     forks = capture_forks() if frame.t0 else None  # t0: the parent profiles this task
     start = clock()
     kind = wire.ERROR
     try:
-        packed = _call(frame, pool)
+        packed = call(frame, pool)
         kind = wire.RESULT
     except BaseException as exc:
         packed = _pack_error(exc)
@@ -88,16 +104,24 @@ def _run(frame: wire.Frame, channel: wire.Channel, pool: SegmentPool, released: 
 
 
 def _pack_error(exc: BaseException) -> Packed:
-    # Start the traceback at the user's code, not at this loop.
+    return pack_error(exc, _users_traceback(exc))
+
+
+def _error_info(exc: BaseException) -> ErrorInfo:
+    return error_info(exc, _users_traceback(exc))
+
+
+def _users_traceback(exc: BaseException) -> TracebackType | None:
+    """The exception's traceback from the user's code on, not from this loop."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next:
         tb = tb.tb_next
-    return pack_error(exc, tb)
+    return tb
 
 
-def _call(frame: wire.Frame, pool: SegmentPool) -> Packed:
+def _load(frame: wire.Frame) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     try:
-        fn, args, kwargs = load_call(frame.loads())
+        return load_call(frame.loads())
     except BaseException as exc:
         exc.add_note(
             "(aiopar: raised while unpickling the task in a worker process; the worker "
@@ -105,15 +129,57 @@ def _call(frame: wire.Frame, pool: SegmentPool) -> Packed:
             "come from, and its sys.path is the parent's as of the fork)"
         )
         raise
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _call(frame: wire.Frame, pool: SegmentPool) -> Packed:
+    fn, args, kwargs = _load(frame)
+    name = _name(fn)
     result = fn(*args, **kwargs)
     del fn, args, kwargs
     try:
         return pack(result, pool, by_value=False)
     except Exception as exc:
-        raise TypeError(
-            f"{name} returned a {type(result).__module__}.{type(result).__qualname__} "
-            f"that cannot be pickled to send it back from the worker process "
-            f"({type(exc).__name__}: {exc}); return plain data (numbers, strings, "
-            f"lists, dicts, numpy arrays) instead"
-        ) from None
+        raise _unpicklable_result(name, result, exc) from None
+
+
+def _call_chunk(frame: wire.Frame, pool: SegmentPool, skip: list[int]) -> Packed:
+    """Make each call of a chunk but those in ``skip``; the outcomes, one per
+    call: None (skipped), (True, the value) or (False, the error's info)."""
+    fn, items, _ = _load(frame)
+    skipped = set(skip)
+    outcomes: list[tuple[bool, Any] | None] = []
+    for i, args in enumerate(items):
+        if i in skipped:
+            outcomes.append(None)
+            continue
+        try:
+            outcomes.append((True, fn(*args)))
+        except BaseException as exc:
+            outcomes.append((False, _error_info(exc)))
+    del items
+    try:
+        return pack(outcomes, pool, by_value=False)
+    except Exception:
+        pass  # a value does not pickle: that call alone fails
+    name = _name(fn)
+    for i, outcome in enumerate(outcomes):
+        if outcome is not None and outcome[0]:
+            try:
+                pack(outcome[1], pool, by_value=False).discard()
+            except Exception as exc:
+                error = _unpicklable_result(name, outcome[1], exc)
+                outcomes[i] = (False, error_info(error, None))
+    return pack(outcomes, pool, by_value=False)
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _unpicklable_result(name: str, result: Any, exc: Exception) -> TypeError:
+    return TypeError(
+        f"{name} returned a {type(result).__module__}.{type(result).__qualname__} "
+        f"that cannot be pickled to send it back from the worker process "
+        f"({type(exc).__name__}: {exc}); return plain data (numbers, strings, "
+        f"lists, dicts, numpy arrays) instead"
+    )

@@ -33,13 +33,17 @@ Guarantees:
 - A task's exception arrives with its type and, as ``__cause__``, the text
   of the traceback in the worker.
 - ``cancel()`` succeeds until the task is sent to a worker (see
-  ``prefetch``). A waiting thread never runs a process task itself
-  (``stealable`` is false): it blocks until a worker has run it.
-- Done-callbacks of process futures run in the backend's manager thread;
-  one that blocks (waiting on another process task, say) hands the
-  manager's job to a new thread, so it cannot stall the pool, and any
-  exception one raises (``SystemExit`` and ``KeyboardInterrupt`` included)
-  is logged and harms nothing else.
+  ``prefetch``). A waiting thread never runs a process task itself: one
+  that waits with no timeout on its worker's only task reads the reply
+  off the worker's socket, so the reply wakes it directly (on the main
+  thread a Ctrl-C meanwhile is raised within a tenth of a second, between
+  two reads).
+- Done-callbacks of process futures run in the thread that read the
+  result: the backend's manager thread, or a thread waiting on a task of
+  the same worker. One that blocks in the manager thread (waiting on
+  another process task, say) hands the manager's job to a new thread, so
+  it cannot stall the pool, and any exception one raises (``SystemExit``
+  and ``KeyboardInterrupt`` included) is logged and harms nothing else.
 
 Workers are started with ``subprocess`` (``python -c``, the parent's
 ``sys.path``), so the parent's ``__main__`` is never re-imported. Each talks
@@ -47,7 +51,7 @@ to the parent over a Unix socket; a pidfd tells the manager thread at once
 when a worker dies. POSIX only; the shared-memory path needs Linux
 (elsewhere large buffers go through the socket).
 
-This module is the backend's public face (options, fork, submit,
+This module is the backend's public face (options, fork, map, submit,
 shutdown). The rest has a module per part: ``_process_pool`` (the pool's
 state and its manager thread, one class), ``_process_handle`` (a job, a
 worker process), ``_process_wire`` (framing) and ``_process_pickle`` (what
@@ -56,19 +60,59 @@ travels, errors included), and ``_process_worker`` (the worker's loop).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from .. import _budget
+from .. import _budget, _trace
 from .._future import Future
-from ._base import Backend, Task, check_count
+from ._base import Backend, Task, check_count, chunk_size, is_async_callable
 from ._process_handle import Job
-from ._process_pickle import Packed, RemoteError, RemoteTraceback, pack_call, unpicklable_part
-from ._process_pool import GRACE, Pool
+from ._process_pickle import (
+    Packed,
+    RemoteError,
+    RemoteTraceback,
+    pack_call,
+    remote_exception,
+    unpicklable_part,
+)
+from ._process_pool import GRACE, Pool, PoolTask
 
 __all__ = ["ProcessBackend", "RemoteError", "RemoteTraceback", "redirect_forks"]
 
 T = TypeVar("T")
+
+_NO_KWARGS: dict[str, Any] = {}
+
+
+class _Outcomes:
+    """Settles the futures of a chunk's items once the chunk's own future is
+    done: each with its call's outcome, or all of them as the chunk was
+    (cancelled, or failed as a whole: its worker died, say)."""
+
+    __slots__ = ("futures", "name")
+
+    def __init__(self, futures: list[Future[Any]], name: str) -> None:
+        self.futures = futures
+        self.name = name
+
+    def __call__(self, chunk: Future[list[Any]]) -> None:
+        futures, self.futures = self.futures, []
+        if chunk.cancelled():
+            for future in futures:
+                future.cancel()
+            return
+        error = chunk.exception()
+        if error is not None:
+            for future in futures:
+                Task.settle(future, (None, error))
+            return
+        for future, outcome in zip(futures, chunk.result(), strict=True):
+            if outcome is None:
+                continue  # cancelled before the chunk was sent
+            ok, value = outcome
+            Task.settle(future, (value, None) if ok else (None, remote_exception(value, self.name)))
+
 
 # Set in worker processes: where the forks made there go instead.
 _redirected_to: Backend | None = None
@@ -111,6 +155,7 @@ class ProcessBackend(Backend):
 
     name = "process"
     stealable = False
+    task_class = PoolTask
 
     def __init__(
         self,
@@ -144,15 +189,63 @@ class ProcessBackend(Backend):
             return _redirected_to.fork(fn, *args, **kwargs)
         return super().fork(fn, *args, **kwargs)
 
-    def submit(self, task: Task) -> None:
-        self._pool.check_open()
-        self._pool.submit(Job(task, self._pack_call(task)))
+    def map(
+        self, fn: Callable[..., T], /, *iterables: Iterable[Any], chunksize: int | None = None
+    ) -> list[Future[T]]:
+        """As :meth:`Backend.map`; a chunk travels to its worker as one
+        message (the function and the arguments of its calls) and comes
+        back as one (an outcome per call). An item cancelled before its
+        chunk is sent is skipped; an item's failure fails its future only,
+        with its type and traceback text; a worker that dies fails every
+        item of the chunk it was running. A coroutine function gets a fork
+        per item."""
+        if _redirected_to is not None:
+            return _redirected_to.map(fn, *iterables, chunksize=chunksize)
+        if not callable(fn) or not iterables or is_async_callable(fn):
+            # The base class says what is wrong, or forks a coroutine per item.
+            return super().map(fn, *iterables, chunksize=chunksize)
+        check_count(chunksize, "map(chunksize=...)", none="picked from the items and workers")
+        items = list(zip(*iterables, strict=False))  # as map(): to the shortest
+        futures: list[Future[T]] = [Future() for _ in items]
+        size = chunksize or chunk_size(len(items), self.max_workers)
+        for start in range(0, len(items), size):
+            self._submit_chunk(
+                fn, start, items[start : start + size], futures[start : start + size]
+            )
+        return futures
 
-    def _pack_call(self, task: Task) -> Packed:
+    def _submit_chunk(
+        self,
+        fn: Callable[..., Any],
+        first: int,
+        items: list[tuple[Any, ...]],
+        futures: list[Future[Any]],
+    ) -> None:
+        pool = self._pool
+        pool.check_open()
+        chunk: Future[list[Any]] = Future()
+        context = contextvars.copy_context()
+        task = PoolTask(chunk, fn, tuple(items), _NO_KWARGS, context, self)
+        chunk.add_done_callback(_Outcomes(futures, task.name))
+        profiler = _trace.active
+        if profiler is not None:
+            task.record = profiler.on_fork(task)
+        packed = self._pack_call(task, "the arguments of item", first)
+        pool.submit(Job(task, packed, futures))
+
+    def submit(self, task: Task) -> None:
+        pool = self._pool
+        pool.check_open()
+        job = Job(task, self._pack_call(task))
+        if isinstance(task, PoolTask):  # a waiter reads its reply itself
+            task.job, task.pool = job, pool
+        pool.submit(job)
+
+    def _pack_call(self, task: Task, arg: str = "argument", first: int = 0) -> Packed:
         try:
             return pack_call(task.fn, task.args, task.kwargs, self._pool.segments)
         except Exception as exc:
-            culprit = unpicklable_part(task.fn, task.args, task.kwargs)
+            culprit = unpicklable_part(task.fn, task.args, task.kwargs, arg, first)
             raise TypeError(
                 f"cannot send {task.name}() to a worker process: {culprit} cannot be pickled "
                 f"({type(exc).__name__}: {exc}). A process task's function and arguments "
