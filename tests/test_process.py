@@ -591,3 +591,33 @@ def test_ctrl_c_while_the_main_thread_reads_a_reply_loses_nothing(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok"), done.stdout
+
+
+def test_a_remote_traceback_names_the_script_and_shows_its_lines(tmp_path):
+    # A function of the user's script travels by value (cloudpickle), which
+    # wrote "<dynamic-code>" for its file: no file name, no source line.
+    done = run_script(
+        tmp_path,
+        """
+        import aiopar
+
+        def inner():
+            raise ValueError("failed on purpose")
+
+        def outer():
+            inner()  # the line the traceback shows
+
+        backend = aiopar.get_backend("process", max_workers=1)
+        try:
+            backend.fork(outer).wait()
+        except ValueError as exc:
+            print(exc.__cause__.tb)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    script = str(tmp_path / "script.py")
+    assert f'File "{script}", line 8, in outer' in done.stdout, done.stdout
+    assert "inner()  # the line the traceback shows" in done.stdout
+    assert f'File "{script}", line 5, in inner' in done.stdout
+    assert 'raise ValueError("failed on purpose")' in done.stdout
+    assert "<dynamic-code>" not in done.stdout

@@ -118,6 +118,28 @@ def _filler(array: Any) -> Filler:
     return fill
 
 
+_cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
+def _code_reduce(code: types.CodeType) -> Any:
+    # cloudpickle writes "<dynamic-code>" for the file name of the code it
+    # sends by value (so that its bytes do not depend on where the code
+    # was defined): a traceback in the worker then names no file and shows
+    # no source line. The real name makes it show both where the worker can
+    # read the file (on this machine, it can).
+    rebuild, args = _cloudpickle_code_reduce(code)
+    if "<dynamic-code>" in args:
+        where = args.index("<dynamic-code>")
+        args = (*args[:where], code.co_filename, *args[where + 1 :])
+    return rebuild, args
+
+
+class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    """cloudpickle's Pickler, keeping the file names of the code it sends."""
+
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+
 # (copyreg's table size, the plain and the cloudpickle Pickler)
 _picklers: tuple[int, type[pickle.Pickler], type[pickle.Pickler]] | None = None
 
@@ -128,16 +150,16 @@ def _pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
     global _picklers
     numpy = sys.modules.get("numpy")
     if numpy is None:
-        return pickle.Pickler, cloudpickle.Pickler
+        return pickle.Pickler, _CloudPickler
     cached = _picklers
     if cached is None or cached[0] != len(copyreg.dispatch_table):
         ndarray = numpy.ndarray
         # A plain dict (a ChainMap would cost a Python call per object
         # pickled), rebuilt when a library registers a reducer.
         plain_table = {**copyreg.dispatch_table, ndarray: _contiguous_reduce}
-        cloud_table = ChainMap({ndarray: _contiguous_reduce}, cloudpickle.Pickler.dispatch_table)
+        cloud_table = ChainMap({ndarray: _contiguous_reduce}, _CloudPickler.dispatch_table)
         plain = type("Pickler", (pickle.Pickler,), {"dispatch_table": plain_table})
-        cloud = type("Pickler", (cloudpickle.Pickler,), {"dispatch_table": cloud_table})
+        cloud = type("Pickler", (_CloudPickler,), {"dispatch_table": cloud_table})
         cached = _picklers = (len(copyreg.dispatch_table), plain, cloud)
     return cached[1], cached[2]
 
@@ -309,7 +331,7 @@ def _function_by_value(fn: Any) -> bytes | None:
     entry = _by_value_cache.get(fn)
     if entry is not None and entry[0] == fingerprint:
         return entry[1]
-    data: bytes = cloudpickle.dumps(fn, protocol=5)
+    data = b"".join(_dumps(_CloudPickler, fn, lambda _: True))
     _by_value_cache[fn] = (fingerprint, data, refs)
     return data
 
