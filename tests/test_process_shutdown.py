@@ -337,3 +337,16 @@ def test_a_forked_child_gets_a_fresh_pool(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_running_tasks_names_what_the_workers_run(own_pool):
+    # What interpreter exit reports it waits for, and the only case where
+    # its wait is worth a warning (idle workers may just be slow to exit).
+    backend = own_pool(1, prefetch=0)
+    assert backend.running_tasks() == []
+    running = backend.fork(sleep_then, 0.3, "done")
+    queued = backend.fork(add, 1)
+    eventually(running.running)
+    assert backend.running_tasks() == ["sleep_then"]
+    assert running.wait(timeout=30) == "done" and queued.wait(timeout=30) == 1
+    assert backend.running_tasks() == []

@@ -11,7 +11,6 @@ import selectors
 import signal
 import socket
 import subprocess
-import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +47,6 @@ class Job:
         "record",
         "skip",
         "task",
-        "worker",
     )
 
     def __init__(self, task: Task, packed: Packed, items: list[Future[Any]] | None = None) -> None:
@@ -59,7 +57,6 @@ class Job:
         self.record = task.record  # the profiler's, or None
         self.packed = packed
         self.id = next(_job_ids)
-        self.worker: Worker | None = None  # the one it was sent to
         self.forks: Any = None  # for the profiler: what the task forked in its worker
         self.kind = wire.TASK if items is None else wire.CHUNK
         self.items = items
@@ -130,15 +127,7 @@ class Worker:
         self.ready = False
         self.stopping = False
         self.eof = False  # its socket has been read to the end
-        self.inflight: deque[Job] = deque()  # handed to it, in the order it runs them
-        # Frames to send, in order: kind, message id, the job (of a TASK or
-        # CHUNK frame), what travels.
-        self.outbox: deque[tuple[int, int, Job | None, Packed]] = deque()
-        # A Channel is not thread-safe: one thread sends at a time, and one
-        # reads (the manager, or a waiter it lent the worker to).
-        self.send_lock = threading.Lock()
-        self.read_lock = threading.Lock()
-        self.parked = False  # its pidfd is out of the manager's select() while it is lent
+        self.inflight: deque[Job] = deque()  # sent, in the order the worker runs them
         self.path_version = path_version  # of the sys.path it has
         self.terminated: str | None = None  # why shutdown terminated it
         self.kill_at = math.inf  # when to kill it if it has not exited by then

@@ -14,7 +14,6 @@ loop over to a new one (:meth:`Pool.blocked`).
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # signal's C half (see _Deferred)
 import atexit
 import contextlib
 import itertools
@@ -22,16 +21,13 @@ import logging
 import math
 import os
 import pickle
-import select
 import selectors
-import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from .. import _interrupt
@@ -112,7 +108,6 @@ class Pool:
         self._manager: threading.Thread | None = None
         self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
         self._wake_r = self._wake_w = -1  # the manager's wake-up pipe, made with it
-        self._selector: selectors.BaseSelector | None = None  # the manager's
         self._unmapped: deque[tuple[Worker, int]] = deque()
         # Past this time.monotonic(), the workers still running a task are
         # terminated; with _renew, each task that finishes pushes it on.
@@ -133,6 +128,11 @@ class Pool:
         """The worker processes, starting or running (a copy)."""
         with self._lock:
             return list(self._workers)
+
+    def running_tasks(self) -> list[str]:
+        """Names of the tasks the workers are running now."""
+        with self._lock:
+            return [worker.inflight[0].name for worker in self._workers if worker.inflight]
 
     def prefetch_depth(self) -> int:
         """How many jobs beyond the running one a worker may hold now."""
@@ -165,34 +165,28 @@ class Pool:
                 job.packed.discard()
                 raise RuntimeError(f"cannot fork on {self.label}: it has been shut down")
             self._pending.append(job)
-            sending = self._dispatch()
+            self._dispatch()
             if self._pending:
                 if self._manager is None:
                     self._start_manager()
                 elif len(self._workers) < self.max_workers:
                     self._wake()  # the manager starts workers
-        if sending:
-            self._send(sending)
 
-    def _dispatch(self) -> list[Worker]:
-        """Hand queued jobs to idle workers, then prefetch onto busy ones;
-        return the workers that have frames to send now (:meth:`_send`).
+    def _dispatch(self) -> None:
+        """Send queued jobs to idle workers, then prefetch onto busy ones.
 
         Called with the lock held.
         """
         pending = self._pending
-        sending = []
         while pending and self._idle:
             job = pending.popleft()
             if job.claim():
-                worker = self._idle.pop()
-                self._assign(worker, job)
-                sending.append(worker)
+                self._send(self._idle.pop(), job)
         if not pending:
-            return sending
+            return
         depth = self.prefetch_depth()
         if not depth:
-            return sending
+            return
         for worker in self._workers:
             if not pending:
                 break
@@ -205,66 +199,33 @@ class Pool:
                 job = pending[0]
                 size = len(job.packed.payload)
                 if job.packed.segment is not None or size > PREFETCH_MAX_CALL:
-                    return sending  # big calls only go to a worker that is reading
+                    return  # big calls only go to a worker that is reading
                 if queued + size > PREFETCH_MAX_BYTES:
                     break
                 pending.popleft()
                 if job.claim():
                     queued += size
-                    self._assign(worker, job)
-                    if worker not in sending:
-                        sending.append(worker)
-        return sending
+                    self._send(worker, job)
 
-    def _assign(self, worker: Worker, job: Job) -> None:
-        # Called with the lock held, so the worker's frames queue in the
-        # order of its jobs.
+    def _send(self, worker: Worker, job: Job) -> None:
+        # Called with the lock held.
         worker.inflight.append(job)
-        job.worker = worker
-        if worker.path_version != self._path_version:
-            # Before the task, so its function unpickles on the new path.
-            path = Packed(pickle.dumps(self._path, protocol=5), [], None, None)
-            worker.outbox.append((wire.PATH, 0, None, path))
-            worker.path_version = self._path_version
-        if job.skip:
-            skip = Packed(pickle.dumps(job.skip, protocol=5), [], None, None)
-            worker.outbox.append((wire.SKIP, job.id, None, skip))
-        worker.outbox.append((job.kind, job.id, job, job.packed))
-
-    def _send(self, workers: list[Worker]) -> None:
-        """Send the frames queued for these workers, in order.
-
-        Called without the lock: a send wakes the worker, which may take
-        this thread's core at once, and the thread that reads the reply
-        must not wait for a lock held meanwhile.
-        """
-        deferred = _Deferred()
-        for worker in workers:
-            with worker.send_lock, deferred:
-                try:
-                    while worker.outbox:
-                        kind, msg_id, job, packed = worker.outbox[0]
-                        traced = job is not None and job.record is not None
-                        # t0: the worker records the task's forks for the profiler
-                        worker.channel.send(kind, msg_id, packed, owner=worker, t0=traced)
-                        worker.outbox.popleft()
-                except OSError:
-                    self._unsendable(worker)
-        deferred.deliver()
-
-    def _unsendable(self, worker: Worker) -> None:
-        """The worker is dying: the manager hears of it through its pidfd.
-        Requeue the jobs it never received. Called with its send lock held."""
-        with self._lock:
-            # Those its death has not requeued already.
-            unsent = [
-                job for _, _, job, _ in worker.outbox if job is not None and job in worker.inflight
-            ]
-            worker.outbox.clear()
-            for job in unsent:
-                worker.inflight.remove(job)
-                job.worker = None
-            self._pending.extendleft(reversed(unsent))
+        try:
+            if worker.path_version != self._path_version:
+                # Before the task, so its function unpickles on the new path.
+                path = Packed(pickle.dumps(self._path, protocol=5), [], None, None)
+                worker.channel.send(wire.PATH, packed=path)
+                worker.path_version = self._path_version
+            if job.skip:
+                skip = Packed(pickle.dumps(job.skip, protocol=5), [], None, None)
+                worker.channel.send(wire.SKIP, job.id, skip)
+            traced = job.record is not None  # the worker records its forks then
+            worker.channel.send(job.kind, job.id, job.packed, owner=worker, t0=traced)
+        except OSError:
+            # The worker is dying; the manager notices through its pidfd and
+            # requeues this job, which the worker never received.
+            worker.inflight.pop()
+            self._pending.appendleft(job)
             worker.stopping = True
             if worker in self._idle:
                 self._idle.remove(worker)
@@ -312,8 +273,6 @@ class Pool:
         set_waiter(self)
         selector = selectors.DefaultSelector()
         selector.register(self._wake_r, selectors.EVENT_READ, None)
-        with self._lock:
-            self._selector = selector
         watched: set[Worker] = set()
         settles: list[Settle] = []
         handed_off = False
@@ -332,7 +291,10 @@ class Pool:
                         for worker in self._workers:
                             if worker not in watched:
                                 watched.add(worker)
-                                _register(selector, worker)
+                                if not worker.eof:
+                                    selector.register(worker.channel, selectors.EVENT_READ, worker)
+                                if worker.pidfd is not None:
+                                    selector.register(worker.pidfd, selectors.EVENT_READ, worker)
                     stop = self.closed and not self._pending and not self._busy()
                 # Settled last, right before select() lets go of the GIL, so
                 # a waiter that wakes up finds it free.
@@ -359,19 +321,13 @@ class Pool:
                             os.read(self._wake_r, 4096)
                         self._send_releases()
                     elif worker in watched:
-                        if not worker.read_lock.acquire(blocking=False):
-                            self._lent(worker, selector)
-                            continue
-                        try:
-                            if key.fileobj is worker.channel:
-                                self._read(worker, selector, settles)
-                                if worker.eof and worker in self._workers:
-                                    with contextlib.suppress(KeyError, ValueError):
-                                        selector.unregister(worker.channel)
-                            else:
-                                self._worker_died(worker, selector, settles)
-                        finally:
-                            worker.read_lock.release()
+                        if key.fileobj is worker.channel:
+                            self._read(worker, selector, settles)
+                            if worker.eof and worker in self._workers:
+                                with contextlib.suppress(KeyError, ValueError):
+                                    selector.unregister(worker.channel)
+                        else:
+                            self._worker_died(worker, selector, settles)
                         if worker not in self._workers:
                             watched.discard(worker)
             self._stop_workers()
@@ -453,12 +409,11 @@ class Pool:
             by_worker.setdefault(worker, []).append(seg_id)
         if not by_worker:
             return
-        for worker, ids in by_worker.items():
-            with self._lock:
-                live = worker in self._workers and not worker.stopping
-            if live:
-                with worker.send_lock, contextlib.suppress(OSError):
-                    worker.channel.send(wire.RELEASE, released=ids)
+        with self._lock:
+            for worker, ids in by_worker.items():
+                if worker in self._workers and not worker.stopping:
+                    with contextlib.suppress(OSError):
+                        worker.channel.send(wire.RELEASE, released=ids)
 
     # -- frames and outcomes ---------------------------------------------------
 
@@ -466,105 +421,25 @@ class Pool:
         self, worker: Worker, selector: selectors.BaseSelector, settles: list[Settle]
     ) -> None:
         """Handle the frames waiting on the worker's socket, adding the futures
-        to settle to ``settles``. Called with the worker's read lock held."""
-        if self._take_frames(worker, settles):
-            return
-        with self._lock:
-            worker.eof = True
-            worker.stopping = True
-            if worker in self._idle:
-                self._idle.remove(worker)
-        if worker.pidfd is None:  # no pidfd to tell when it has exited
-            self._worker_died(worker, selector, settles)
-
-    def _take_frames(self, worker: Worker, settles: list[Settle]) -> bool:
-        """Read the frames the worker's socket holds, adding the futures to
-        settle to ``settles``; False once the socket has ended. Called with
-        the worker's read lock held."""
+        to settle to ``settles``."""
         channel = worker.channel
         while True:
             try:
                 frame = channel.recv()
             except (EOFError, OSError):
-                return False
+                with self._lock:
+                    worker.eof = True
+                    worker.stopping = True
+                    if worker in self._idle:
+                        self._idle.remove(worker)
+                if worker.pidfd is None:  # no pidfd to tell when it has exited
+                    self._worker_died(worker, selector, settles)
+                return
             if frame is not None and (outcome := self._on_frame(worker, frame)):
                 settles.append(outcome)
             del frame
             if not channel.has_frame():
-                return True
-
-    # -- a waiter reads its own reply -------------------------------------------
-    #
-    # A thread about to block (with no timeout) on the future of the only job
-    # its worker has reads that worker's socket itself, if nobody else is
-    # reading it: the reply then wakes the thread that waits for it, not the
-    # manager, which would only wake that thread in turn. The worker is lent:
-    # its socket leaves the manager's select() until the waiter gives it
-    # back. Where a worker has several jobs (forks in a batch, prefetched),
-    # the manager reads, as a waiter would only take turns with it.
-
-    def read_until_done(self, job: Job) -> None:
-        """Read the frames of the worker running ``job`` in this thread until
-        its future is done; return at once unless the job is its worker's
-        only one and nobody else reads that worker. A done-callback of a
-        future settled here runs in this thread.
-
-        On the main thread a Ctrl-C is held back meanwhile (a read it cut in
-        two would lose frames), and raised within a slice of a second.
-        """
-        future = job.future
-        deferred = _Deferred()
-        with deferred:
-            while not future.done() and deferred.caught is None:
-                worker = self._lend(job)
-                if worker is None:
-                    break
-                settles: list[Settle] = []
-                alive = True
-                try:
-                    if _readable(worker.channel):
-                        alive = self._take_frames(worker, settles)
-                finally:
-                    self._give_back(worker)
-                for settling in settles:
-                    settle(*settling)
-                del settles
-                if not alive:
-                    break  # the manager hears the rest from the socket's end and the pidfd
-        deferred.deliver()
-
-    def _lend(self, job: Job) -> Worker | None:
-        """The worker running ``job``, now lent to this thread (its read lock
-        held, its socket out of the manager's select()); None if it is not
-        on one, or another thread reads that one."""
-        with self._lock:
-            worker = job.worker
-            if (
-                worker is None
-                or worker.eof
-                or len(worker.inflight) != 1  # replies of other jobs would come first or next
-                or not worker.read_lock.acquire(blocking=False)
-            ):
-                return None
-            if self._selector is not None:
-                with contextlib.suppress(KeyError, ValueError, OSError):
-                    self._selector.unregister(worker.channel)
-            return worker
-
-    def _give_back(self, worker: Worker) -> None:
-        with self._lock:
-            if self._selector is not None and worker in self._workers:
-                _register(self._selector, worker, pidfd=worker.parked)
-                worker.parked = False
-            worker.read_lock.release()
-
-    def _lent(self, worker: Worker, selector: selectors.BaseSelector) -> None:
-        """The worker is lent to a waiter: keep its socket and pidfd out of
-        select() until the waiter gives it back (which registers them again)."""
-        with self._lock:
-            if worker.read_lock.locked():
-                worker.unregister(selector)
-                worker.parked = True
+                return
 
     def _on_frame(self, worker: Worker, frame: wire.Frame) -> Settle | None:
         """Account for the frame; return the settling of its future, which the
@@ -575,9 +450,7 @@ class Pool:
                 self._start_failures = 0
                 if not worker.stopping:
                     self._idle.append(worker)
-                sending = self._dispatch()
-            if sending:
-                self._send(sending)
+                self._dispatch()
             return None
         if frame.kind == wire.TRACE:  # about the running task; its result comes next
             with self._lock:
@@ -590,9 +463,7 @@ class Pool:
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
             if not worker.inflight and not worker.stopping:
                 self._idle.append(worker)
-            sending = self._dispatch()
-        if sending:
-            self._send(sending)
+            self._dispatch()
         self._mean_run_ns += (frame.t1 - frame.t0 - self._mean_run_ns) // 8
         if self._renew and self._deadline is not None:
             self._deadline = time.monotonic() + self.grace  # type: ignore[operator]
@@ -640,7 +511,6 @@ class Pool:
             if worker.terminated is None:  # run them elsewhere
                 for job in reversed(stranded):
                     self._pending.appendleft(job)
-                    job.worker = None
                     if job.packed.segment is not None:
                         job.packed.segment.owner = None
                 stranded = []
@@ -652,13 +522,9 @@ class Pool:
                 if self._start_failures >= MAX_START_FAILURES:
                     doomed = list(self._pending)
                     self._pending.clear()
-            sending = self._dispatch()
-        if sending:
-            self._send(sending)
+            self._dispatch()
         worker.unregister(selector)  # before closing: the numbers may be reused
-        with worker.send_lock:
-            worker.outbox.clear()
-            worker.close()
+        worker.close()
         cause = describe_exit(returncode)
 
         def lost(job: Job, message: str) -> None:
@@ -793,8 +659,7 @@ class Pool:
             self._workers.clear()
             self._idle.clear()
         for worker in workers:
-            with worker.send_lock:
-                worker.channel.close()  # EOF tells the worker to exit
+            worker.channel.close()  # EOF tells the worker to exit
         for worker in workers:
             try:
                 worker.process.wait(STOP_TIMEOUT)
@@ -846,84 +711,6 @@ class Pool:
             settle(job.future, (None, error))
 
 
-class PoolTask(Task):
-    """A task of the process backend. A thread that waits on its future
-    with no timeout "runs" it by reading its worker's reply itself
-    (:meth:`Pool.read_until_done`); it never runs the call in this process."""
-
-    __slots__ = ("job", "pool")
-
-    job: Job | None
-    pool: Pool | None
-
-    @property
-    def stealable(self) -> bool:
-        return True
-
-    def run(self) -> None:
-        job, pool = self.job, self.pool
-        if job is not None and pool is not None:
-            pool.read_until_done(job)
-
-
-def _register(selector: selectors.BaseSelector, worker: Worker, *, pidfd: bool = True) -> None:
-    """Put the worker's socket (unless it has ended) and its pidfd on
-    ``selector``, if they are not on it."""
-    for fileobj in (None if worker.eof else worker.channel, worker.pidfd if pidfd else None):
-        if fileobj is not None:
-            # KeyError: on it already; ValueError, OSError: closed by a
-            # manager that handed over
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                selector.register(fileobj, selectors.EVENT_READ, worker)
-
-
-def _readable(channel: wire.Channel) -> bool:
-    """Wait until the channel has something to read: on the main thread for
-    at most a slice, after which it may run a pending Ctrl-C's handler."""
-    if channel.has_frame():
-        return True
-    timeout = _interrupt.SLICE if _interrupt.on_main_thread() else None
-    return bool(select.select([channel], [], [], timeout)[0])
-
-
-class _Deferred:
-    """Holds back a Ctrl-C on the main thread: inside the ``with`` block a
-    SIGINT is only noted, and :meth:`deliver` runs its handler (raising the
-    KeyboardInterrupt) where the caller is ready for it. Raised in the
-    middle of a send or a read, it would lose a frame or send one twice,
-    and every frame after it would go to the wrong task. Other threads run
-    no signal handlers: there it costs nothing."""
-
-    __slots__ = ("caught", "handler")
-
-    def __init__(self) -> None:
-        self.handler: Callable[[int, Any], Any] | None = None
-        self.caught: tuple[int, Any] | None = None
-
-    def __enter__(self) -> _Deferred:
-        if _interrupt.on_main_thread():
-            # _signal, not signal: the latter's wrappers convert to and from
-            # enums at some 20 times the cost of the call itself.
-            handler = _signal.getsignal(signal.SIGINT)
-            if callable(handler):
-                self.handler = handler
-                _signal.signal(signal.SIGINT, self._note)
-        return self
-
-    def _note(self, signum: int, frame: Any) -> None:
-        self.caught = (signum, frame)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.handler is not None:
-            _signal.signal(signal.SIGINT, self.handler)
-
-    def deliver(self) -> None:
-        """Run the handler of a SIGINT that arrived inside the block."""
-        if self.caught is not None and self.handler is not None:
-            caught, self.caught = self.caught, None
-            self.handler(*caught)
-
-
 def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:
     """Settle ``future`` with ``outcome``, or cancel it if that is None.
 
@@ -961,12 +748,15 @@ def _stop_at_exit() -> None:
             pool.close(False, why, renew=True)
     for pool in pools:
         if not pool.join(timeout=1.0):
-            _logger.warning(
-                "%s: waiting for its running tasks before the interpreter exits "
-                "(a worker is terminated once no task has finished for %s s)",
-                pool.label,
-                pool.grace,
-            )
+            # Idle workers take a while to exit on a busy machine: only
+            # running tasks are worth a word.
+            if pool.running_tasks():
+                _logger.warning(
+                    "%s: waiting for its running tasks before the interpreter exits "
+                    "(a worker is terminated once no task has finished for %s s)",
+                    pool.label,
+                    pool.grace,
+                )
             pool.join()
 
 

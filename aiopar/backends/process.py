@@ -33,17 +33,13 @@ Guarantees:
 - A task's exception arrives with its type and, as ``__cause__``, the text
   of the traceback in the worker.
 - ``cancel()`` succeeds until the task is sent to a worker (see
-  ``prefetch``). A waiting thread never runs a process task itself: one
-  that waits with no timeout on its worker's only task reads the reply
-  off the worker's socket, so the reply wakes it directly (on the main
-  thread a Ctrl-C meanwhile is raised within a tenth of a second, between
-  two reads).
-- Done-callbacks of process futures run in the thread that read the
-  result: the backend's manager thread, or a thread waiting on a task of
-  the same worker. One that blocks in the manager thread (waiting on
-  another process task, say) hands the manager's job to a new thread, so
-  it cannot stall the pool, and any exception one raises (``SystemExit``
-  and ``KeyboardInterrupt`` included) is logged and harms nothing else.
+  ``prefetch``). A waiting thread never runs a process task itself
+  (``stealable`` is false): it blocks until a worker has run it.
+- Done-callbacks of process futures run in the backend's manager thread;
+  one that blocks (waiting on another process task, say) hands the
+  manager's job to a new thread, so it cannot stall the pool, and any
+  exception one raises (``SystemExit`` and ``KeyboardInterrupt`` included)
+  is logged and harms nothing else.
 
 Workers are started with ``subprocess`` (``python -c``, the parent's
 ``sys.path``), so the parent's ``__main__`` is never re-imported. Each talks
@@ -76,7 +72,7 @@ from ._process_pickle import (
     remote_exception,
     unpicklable_part,
 )
-from ._process_pool import GRACE, Pool, PoolTask
+from ._process_pool import GRACE, Pool
 
 __all__ = ["ProcessBackend", "RemoteError", "RemoteTraceback", "redirect_forks"]
 
@@ -155,7 +151,6 @@ class ProcessBackend(Backend):
 
     name = "process"
     stealable = False
-    task_class = PoolTask
 
     def __init__(
         self,
@@ -225,7 +220,7 @@ class ProcessBackend(Backend):
         pool.check_open()
         chunk: Future[list[Any]] = Future()
         context = contextvars.copy_context()
-        task = PoolTask(chunk, fn, tuple(items), _NO_KWARGS, context, self)
+        task = self.task_class(chunk, fn, tuple(items), _NO_KWARGS, context, self)
         chunk.add_done_callback(_Outcomes(futures, task.name))
         profiler = _trace.active
         if profiler is not None:
@@ -234,12 +229,8 @@ class ProcessBackend(Backend):
         pool.submit(Job(task, packed, futures))
 
     def submit(self, task: Task) -> None:
-        pool = self._pool
-        pool.check_open()
-        job = Job(task, self._pack_call(task))
-        if isinstance(task, PoolTask):  # a waiter reads its reply itself
-            task.job, task.pool = job, pool
-        pool.submit(job)
+        self._pool.check_open()
+        self._pool.submit(Job(task, self._pack_call(task)))
 
     def _pack_call(self, task: Task, arg: str = "argument", first: int = 0) -> Packed:
         try:
@@ -252,6 +243,9 @@ class ProcessBackend(Backend):
                 f"must be picklable (cloudpickle): pass the data a lock, file, socket or "
                 f"generator was made from, or use the thread backend"
             ) from exc
+
+    def running_tasks(self) -> list[str]:
+        return self._pool.running_tasks()
 
     # -- shutting down -------------------------------------------------------
 
