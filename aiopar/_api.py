@@ -15,9 +15,10 @@ from typing import Any, ParamSpec, TypeVar, overload
 import anyio
 
 from . import _loop
+from ._blocking import check_timeout
 from ._config import current_backend
 from ._errors import CancelledError
-from ._future import Future, check_timeout, copy_outcome
+from ._future import Future, copy_outcome
 from ._interop import describe_type, has_future_protocol, not_a_future_message
 
 __all__ = [

@@ -9,9 +9,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
+from ._blocking import cf_timeout
 from ._checks import check_count
 from ._config import get_backend
-from ._future import Future, cf_timeout
+from ._future import Future
 from .backends import Backend
 
 __all__ = ["Executor"]

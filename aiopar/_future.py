@@ -23,14 +23,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
-import math
-import os
-import sys
 import threading
-import time
-import warnings
 from asyncio import _get_running_loop
-from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures._base import (
     CANCELLED,
@@ -39,21 +33,24 @@ from concurrent.futures._base import (
     PENDING,
     RUNNING,
 )
-from types import FrameType
 from typing import Any, Generic, TypeVar
 
-import sniffio
-
-from . import _interrupt, _loop, _trace, _waiter
+from ._blocking import block, cf_timeout, check_timeout, help_first
+from ._bridge import wait_on_loop
+from ._callbacks import drain_deferred, run_callbacks, run_each, set_callback_runner
 from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback, describe_type
-from ._log import logger as _logger
-from ._waiter import Waiter, get_waiter, set_waiter
+from ._unretrieved import Unretrieved
 
-__all__ = ["Future", "Waiter", "get_waiter", "set_callback_runner", "set_waiter"]
+__all__ = ["Future", "copy_outcome", "set_callback_runner"]
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+# The states of a future that is not done. A test against it costs no Python
+# call, where done() would, on the blocking path whose calls
+# tests/test_overhead.py counts.
+_WAITING = (PENDING, RUNNING)
 
 _DESCRIPTIONS = {
     PENDING: "pending",
@@ -62,10 +59,6 @@ _DESCRIPTIONS = {
     CANCELLED_AND_NOTIFIED: "cancelled",
     FINISHED: "finished",
 }
-
-
-_local = _waiter.local
-_sniffio_thread = sniffio.thread_local
 
 
 class Future(Generic[T], concurrent.futures.Future[T]):
@@ -102,7 +95,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         self._task: Any = None  # the forked task behind this future, if any
         # Set while a failure nobody has read yet would be logged when the
         # future is collected; a future that succeeds never gets one.
-        self._unretrieved: _Unretrieved | None = None
+        self._unretrieved: Unretrieved | None = None
 
     def __repr__(self) -> str:
         state = self._state
@@ -208,7 +201,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 # it, so waiting often on a failed future grows nothing.
                 self._result = exception.__traceback__
                 self._exception = exception
-                self._unretrieved = _Unretrieved(self, exception)
+                self._unretrieved = Unretrieved(self, exception)
             self._state = FINISHED
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
@@ -249,9 +242,12 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
-        state = self._state
-        if (state is PENDING or state is RUNNING) and not self._block(timeout):
-            raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
+        if (state := self._state) is PENDING or state is RUNNING:
+            # _block() inline: wait(fork(f)) runs f a call nearer, in help_first.
+            task = self._task
+            help_first(self, task, timeout)
+            if self._state in _WAITING and not self._sleep(timeout, task):
+                raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         if self._state is FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         try:
@@ -294,78 +290,47 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def _block(self, timeout: float | None) -> bool:
         """Wait until done or ``timeout`` passes; True if done.
 
-        Before it blocks, the calling thread runs the work it can: the
-        awaited task itself if it has not started and no timeout is given,
-        then (in a work-first pool's worker) the tasks it forked that are
-        still queued, newest first, with or without a timeout.
+        The calling thread first runs the work it can (see
+        :func:`aiopar._blocking.help_first`), then blocks.
         """
-        if (state := self._state) is not PENDING and state is not RUNNING:
+        if self._state not in _WAITING:
             return True
-        if _get_running_loop() is not None or _sniffio_thread.name is not None:
-            # _loop.running_async_library() inline: a call fewer on every wait's path
-            _warn_blocking_loop()  # an event loop runs in this thread
         task = self._task
-        local = _local.__dict__
-        owner = local.get("waiter")
-        run_own_forks = None if owner is None else getattr(owner, "run_own_forks", None)
-        steals = local.get("steals", 0)
-        # Work it runs nests in its stack: a deep stack blocks instead, and
-        # the pool compensates, so deep recursion through fork/wait never
-        # hits the recursion limit.
-        if steals < sys.getrecursionlimit() // _FRAMES_PER_STEAL:
-            local["steals"] = steals + 1
-            try:
-                if timeout is None and task is not None and task.stealable:
-                    task.run()  # does nothing unless it wins the claim
-                if run_own_forks is not None:
-                    run_own_forks(self)
-            finally:
-                local["steals"] = steals
-            if (state := self._state) is not PENDING and state is not RUNNING:
-                del self  # the task may have failed in this frame: no cycle (module docstring)
-                return True
+        help_first(self, task, timeout)
+        if self._state not in _WAITING:
+            del self  # the task may have failed below this frame: no cycle (module docstring)
+            return True
+        return self._sleep(timeout, task)
+
+    def _sleep(self, timeout: float | None, task: Any) -> bool:
+        """Block this thread until the future is done or ``timeout`` passes
+        (``task``, the future's, is the profiler's); True if done."""
         if task is not None and task.runs_on_this_thread():
             raise RuntimeError(
                 f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
                 f"wait() would block for ever; use 'await fut' inside the loop instead"
             )
-        _drain_deferred_callbacks()  # they may be what settles this future
-        if self.done():
+        drain_deferred()  # they may be what settles this future
+        if self._state not in _WAITING:
             return True
         waiter = threading.Lock()
         waiter.acquire()
         with self._lock:
-            if self.done():
+            if self._state not in _WAITING:
                 return True
             if self._waiters is None:
                 self._waiters = [waiter]
             else:
                 self._waiters.append(waiter)
-        profiler = _trace.active
-        started = time.perf_counter() if profiler is not None else 0.0
-        done = False
-        blocked_long = _waiter.BLOCKED_LONG
+        released = False
         try:
-            if owner is not None:
-                owner.blocked()
-            if owner is None or (timeout is not None and timeout <= blocked_long):
-                done = _interrupt.acquire(waiter, timeout)
-            else:
-                done = _interrupt.acquire(waiter, blocked_long)
-                if not done:
-                    owner.blocked_long()
-                    rest = None if timeout is None else timeout - blocked_long
-                    done = _interrupt.acquire(waiter, rest)
+            released = block(waiter, timeout, task)
         finally:
-            if owner is not None:
-                owner.resumed()
-            if profiler is not None:
-                profiler.on_blocked(time.perf_counter() - started, task)
-            if not done:  # timed out, or interrupted (Ctrl-C)
+            if not released:  # timed out, or interrupted (Ctrl-C)
                 with self._lock:
                     if self._waiters is not None and waiter in self._waiters:
                         self._waiters.remove(waiter)
-        return self.done()
+        return self._state not in _WAITING
 
     # -- callbacks ---------------------------------------------------------
 
@@ -401,7 +366,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 else:
                     self._callbacks.append(fn)
                 return
-        _call_each(self, (fn,))
+        run_each(self, (fn,))
 
     def then(self, callback: Callable[[Future[T]], U]) -> Future[U]:
         """Return a future settled by ``callback(self)`` once this one is done.
@@ -484,7 +449,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if (state := self._state) is PENDING or state is RUNNING:
-            yield from _loop.wait_on_loop(self)
+            yield from wait_on_loop(self)
         try:
             return self.value()
         except StopIteration as exc:
@@ -533,7 +498,7 @@ class _UntilDone:
 
     def __await__(self) -> Generator[Any, None, None]:
         if not self._fut.done():
-            yield from _loop.wait_on_loop(self._fut, cancel=False)
+            yield from wait_on_loop(self._fut, cancel=False)
 
 
 def copy_outcome(source: Any, target: Future[Any]) -> None:
@@ -562,146 +527,10 @@ def copy_outcome(source: Any, target: Future[Any]) -> None:
         del source, target  # the error's traceback holds this frame: no cycle (see Future)
 
 
-def check_timeout(timeout: float | None) -> float | None:
-    """The timeout to wait with: None (for ever) for None, infinity or more
-    seconds than a lock can wait; else ``timeout`` itself if it is a number
-    >= 0. Anything else raises TypeError or ValueError."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(
-            f"timeout must be None (wait for ever) or a number of seconds, "
-            f"got {type(timeout).__name__} {timeout!r}"
-        )
-    if not timeout >= 0:  # NaN too
-        raise ValueError(
-            f"timeout must be None (wait for ever) or a number of seconds >= 0, got {timeout!r}"
-        )
-    return None if timeout > threading.TIMEOUT_MAX or math.isinf(timeout) else timeout
-
-
-def cf_timeout(timeout: float | None) -> float | None:
-    """The timeout to wait with, as :mod:`concurrent.futures` takes it: as
-    :func:`check_timeout`'s, except that 0 or less (NaN too) is no wait at all."""
-    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and not timeout > 0:
-        return 0
-    return check_timeout(timeout)
-
-
 def _notify(fut: Future[Any], waiters: list[Any] | None, callbacks: list[Any] | None) -> None:
     """Wake the threads blocked on a future that just became done, then run its callbacks."""
     if waiters:
         for waiter in waiters:
             waiter.release()
     if callbacks:
-        _run_callbacks(fut, callbacks)
-
-
-def _call_each(fut: Future[Any], callbacks: Any) -> None:
-    for fn in callbacks:
-        try:
-            fn(fut)
-        except BaseException:
-            # Whatever a callback raises (SystemExit and KeyboardInterrupt
-            # too) is the callback's own failure: the thread that settled the
-            # future, a pool's worker say, goes on.
-            _logger.exception("exception in a done-callback of %r", fut)
-
-
-def _run_callbacks(fut: Future[Any], callbacks: list[Any]) -> None:
-    deferred = _local.__dict__.get("deferred")
-    if deferred is not None:
-        # Already running callbacks further up this thread's stack: queue
-        # these for that loop instead of nesting another call.
-        deferred.append((fut, callbacks))
-        return
-    _local.deferred = deferred = deque()
-    try:
-        _call_each(fut, callbacks)
-        while deferred:
-            _call_each(*deferred.popleft())
-    finally:
-        _local.deferred = None
-
-
-def _drain_deferred_callbacks() -> None:
-    deferred = _local.__dict__.get("deferred")
-    while deferred:
-        _call_each(*deferred.popleft())
-
-
-class _HandOff:
-    """A thread's "deferred" queue that hands each batch of callbacks to
-    another thread instead of keeping it (see :func:`set_callback_runner`)."""
-
-    __slots__ = ("run",)
-
-    def __init__(self, run: Callable[..., object]) -> None:
-        self.run = run
-
-    def append(self, item: tuple[Future[Any], list[Any]]) -> None:
-        self.run(_call_each, *item)
-
-    def __bool__(self) -> bool:
-        return False  # nothing ever waits here to be drained
-
-
-def set_callback_runner(run: Callable[..., object] | None) -> None:
-    """From now on, the callbacks of the futures that this thread settles run
-    through ``run(fn, *args)`` (which runs them in another thread, in order)
-    instead of in this thread; None: in this thread again.
-
-    For a thread that must never block, as one that reads replies off a
-    connection: a callback may block, even on a reply that thread is to
-    read. Each future's callbacks stay in registration order, and stay
-    together.
-    """
-    _local.deferred = None if run is None else _HandOff(run)
-
-
-_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
-
-
-def _warn_blocking_loop() -> None:
-    """Warn that this thread runs an event loop that a blocking wait stalls,
-    once per line of the caller's code (the warnings module's default)."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
-        # One text for every future: the warnings module shows a warning once
-        # per line and text.
-        "a blocking wait on an aiopar Future stalls the event loop running in this thread "
-        "until the future is done (nothing else on the loop runs meanwhile); "
-        "in a coroutine write 'await fut' (and 'async for' over aiopar.as_completed)",
-        RuntimeWarning,
-        stacklevel=level,
-    )
-
-
-# A task a waiter runs adds about six frames to its stack: past a twelfth
-# of the recursion limit in nested steals, a waiter blocks instead.
-_FRAMES_PER_STEAL = 12
-
-
-class _Unretrieved:
-    """Logs a failure that nobody read when its future is collected, as
-    asyncio's "exception was never retrieved" does."""
-
-    __slots__ = ("exception", "future_repr")
-
-    def __init__(self, fut: Future[Any], exception: BaseException) -> None:
-        self.exception: BaseException | None = exception
-        # Not repr(fut): the future is still being settled.
-        self.future_repr = f"<aiopar.{type(fut).__name__} at {id(fut):#x}>"
-
-    def __del__(self) -> None:
-        exc = self.exception
-        if exc is not None:
-            _logger.error(
-                "%s failed and nobody retrieved its exception (wait(), value(), exception() "
-                "or await would have raised it):",
-                self.future_repr,
-                exc_info=(type(exc), exc, exc.__traceback__),
-            )
+        run_callbacks(fut, callbacks)

@@ -30,7 +30,7 @@ from asyncio import _get_running_loop
 from collections.abc import Callable
 from typing import Any
 
-from . import _loop
+from ._bridge import Bridge, asyncio_bridge
 
 __all__ = [
     "CfCondition",
@@ -89,7 +89,7 @@ class LoopCallback:
         self.context = context
         self.loop = loop
         # Made here, on the loop's thread: making a bridge registers a reader.
-        self.bridge = None if loop is None else _loop._bridge(loop, _loop._asyncio_bridge)
+        self.bridge: Bridge | None = None if loop is None else asyncio_bridge(loop)
 
     def __call__(self, fut: Any) -> None:
         loop = self.loop

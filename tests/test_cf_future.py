@@ -11,41 +11,13 @@ import threading
 from typing import Any
 
 import pytest
+from future_helpers import cancelled, failed, pending, running, succeeded
 
 from aiopar import CancelledError, Future, InvalidStateError
 
 pytestmark = pytest.mark.timeout(60)
 
 LIMIT = 10
-
-
-def pending() -> Future[Any]:
-    return Future()
-
-
-def running() -> Future[Any]:
-    fut: Future[Any] = Future()
-    assert fut.set_running_or_notify_cancel()
-    return fut
-
-
-def cancelled() -> Future[Any]:
-    fut: Future[Any] = Future()
-    assert fut.cancel()
-    return fut
-
-
-def failed() -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_exception(OSError("failed on purpose"))
-    fut.exception()  # read: not logged when collected
-    return fut
-
-
-def succeeded() -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(42)
-    return fut
 
 
 STATES = {

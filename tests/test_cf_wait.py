@@ -10,6 +10,7 @@ from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION
 from typing import Any
 
 import pytest
+from future_helpers import done_futures, failed, succeeded
 
 import aiopar
 from aiopar import Future
@@ -17,29 +18,6 @@ from aiopar import Future
 pytestmark = pytest.mark.timeout(60)
 
 LIMIT = 10  # every wait here is bounded: a regression fails, it never hangs
-
-
-def succeeded(value: Any = 42) -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_result(value)
-    return fut
-
-
-def failed() -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.set_exception(OSError("failed on purpose"))
-    fut.exception()  # read: not logged when collected
-    return fut
-
-
-def cancelled() -> Future[Any]:
-    fut: Future[Any] = Future()
-    fut.cancel()
-    return fut
-
-
-def done_futures() -> list[Future[Any]]:
-    return [succeeded(), failed(), cancelled()]
 
 
 @pytest.mark.parametrize("timeout", [0, -1])
