@@ -1,8 +1,15 @@
-"""Per-task cost of fork/wait, then() and await, each against its anchor in the same run.
+"""Per-task cost of fork/wait, map, then() and await, each against its anchor in the same run.
 
 Every row times aiopar and its anchor alternately, several rounds each, and
-keeps the best round of each: on a shared, noisy machine the minimum is the
-most repeatable estimate of what the code itself costs.
+keeps the best round of each, in wall time and in CPU time (every thread of
+the process): on a shared, noisy machine the minimum is the most repeatable
+estimate of what the code itself costs, and CPU time holds where wall time
+swings with what else runs.
+
+numpy is imported, as in every program of this library's users: it loads a
+BLAS, and the thread budget listens to the pools from then on. One row
+measures the same forks in a process that never loads a BLAS, taking turns
+with this one, to show what listening costs.
 
     python benchmarks/overhead.py [--rounds 5] [--scale 1.0]
 """
@@ -20,36 +27,45 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy  # noqa: F401 - loads a BLAS, as users' programs do: the budget listens
+from _timing import ChildRounds, Measured
 from rich.console import Console
 from rich.table import Table
 
 import aiopar
+
+#: a row: aiopar's name, the anchor's name, then seconds per task of each,
+#: in wall time and (if measured) in CPU time
+Row = tuple[str, str, float, float] | tuple[str, str, float, float, float, float]
 
 
 def noop() -> None:
     pass
 
 
-def best_per_task(run: Callable[[], None], tasks: int, rounds: int) -> float:
-    """Seconds per task: the best of ``rounds`` timed calls of ``run``."""
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        best = min(best, (time.perf_counter() - start) / tasks)
-    return best
+def timed(run: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU seconds of one call of ``run`` (CPU time of every
+    thread of this process)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    measured = run()
+    if isinstance(measured, Measured):  # it ran in another process, and timed itself
+        return measured
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def paired(
-    ours: Callable[[], None], anchor: Callable[[], None], tasks: int, rounds: int
-) -> tuple[float, float]:
-    """Time both alternately so drift on the machine hits both alike."""
+    ours: Callable[[], object], anchor: Callable[[], object], tasks: int, rounds: int
+) -> tuple[float, float, float, float]:
+    """Seconds per task of each, wall then CPU, the best of ``rounds``
+    rounds: both alternately, so drift on the machine hits both alike."""
     ours(), anchor()  # warm up: threads started, caches filled
-    best_ours = best_anchor = float("inf")
+    wall_ours = wall_anchor = cpu_ours = cpu_anchor = float("inf")
     for _ in range(rounds):
-        best_ours = min(best_ours, best_per_task(ours, tasks, 1))
-        best_anchor = min(best_anchor, best_per_task(anchor, tasks, 1))
-    return best_ours, best_anchor
+        wall, cpu = timed(ours)
+        wall_ours, cpu_ours = min(wall_ours, wall / tasks), min(cpu_ours, cpu / tasks)
+        wall, cpu = timed(anchor)
+        wall_anchor, cpu_anchor = min(wall_anchor, wall / tasks), min(cpu_anchor, cpu / tasks)
+    return wall_ours, wall_anchor, cpu_ours, cpu_anchor
 
 
 def sequential_forks(backend: aiopar.Backend, n: int) -> Callable[[], None]:
@@ -68,7 +84,20 @@ def batched_forks(backend: aiopar.Backend, n: int) -> Callable[[], None]:
     return lambda: aiopar.wait_all([backend.fork(noop) for _ in range(n)])
 
 
-def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
+NO_BLAS_CHILD = """
+import aiopar
+
+def noop():
+    pass
+
+backend = aiopar.get_backend("thread", max_workers={workers})
+
+def run():
+    aiopar.wait_all([backend.fork(noop) for _ in range({batch})])
+"""
+
+
+def sync_rows(scale: float, rounds: int, workers: int) -> list[Row]:
     executor = concurrent.futures.ThreadPoolExecutor(workers)
     backend = aiopar.get_backend("thread", max_workers=workers)
     rows = []
@@ -103,6 +132,32 @@ def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, f
             "fork 10,000 then wait all",
             "executor: submit 10,000, result each",
             *paired(fork_batch, submit_batch, batch, rounds),
+        )
+    )
+
+    # What the budget's listening costs: the same in a process with no BLAS.
+    with ChildRounds(NO_BLAS_CHILD.format(workers=workers, batch=batch)) as no_blas:
+        rows.append(
+            (
+                "fork 10,000 then wait all",
+                "the same in a process with no BLAS loaded (the budget not listening)",
+                *paired(fork_batch, no_blas.run, batch, rounds),
+            )
+        )
+        assert "numpy" not in no_blas.modules, "the child was to load no BLAS"
+
+    def map_batch() -> None:
+        aiopar.wait_all(backend.map(noop_item, range(batch)))
+
+    def executor_map() -> None:
+        for _ in executor.map(noop_item, range(batch)):
+            pass
+
+    rows.append(
+        (
+            "map of 10,000 then wait all",
+            "executor.map of 10,000",
+            *paired(map_batch, executor_map, batch, rounds),
         )
     )
 
@@ -171,11 +226,15 @@ def sync_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, f
     return rows
 
 
+def noop_item(_: object) -> None:
+    pass
+
+
 def _next_value(fut: aiopar.Future[int]) -> int:
     return fut.value() + 1
 
 
-def async_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
+def async_rows(scale: float, rounds: int, workers: int) -> list[Row]:
     backend = aiopar.get_backend("thread", max_workers=workers)
     loops: list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]] = [
         ("asyncio", asyncio.new_event_loop)
@@ -332,7 +391,7 @@ def _run_on(
     return lambda: loop.run_until_complete(coroutine_function())
 
 
-def profiler_rows(scale: float, rounds: int) -> list[tuple[str, str, float, float]]:
+def profiler_rows(scale: float, rounds: int) -> list[Row]:
     """What tracing costs: off, the two checks of ``_trace.active`` a task passes
     (in fork and in run); on, a recorded inline fork+wait."""
     from aiopar import _trace, profiler
@@ -368,7 +427,7 @@ def profiler_rows(scale: float, rounds: int) -> list[tuple[str, str, float, floa
     ]
 
 
-def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, float, float]]:
+def torch_rows(scale: float, rounds: int, workers: int) -> list[Row]:
     """TorchScript's own fork/wait, for reference, when torch is installed."""
     try:
         import torch
@@ -402,6 +461,9 @@ def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
     ours_sequential = sequential_forks(backend, n)
     ours_batched = batched_forks(backend, batch)
 
+    def ours_map() -> None:
+        aiopar.wait_all(backend.map(noop_item, range(batch)))
+
     return [
         (
             "sequential wait(fork(noop))",
@@ -412,6 +474,11 @@ def torch_rows(scale: float, rounds: int, workers: int) -> list[tuple[str, str, 
             "fork 10,000 then wait all",
             "torch.jit.fork 10,000 then wait, scripted",
             *paired(ours_batched, lambda: batched(x, batch), batch, rounds),
+        ),
+        (
+            "map of 10,000 then wait all",
+            "torch.jit.fork 10,000 then wait, scripted",
+            *paired(ours_map, lambda: batched(x, batch), batch, rounds),
         ),
     ]
 
@@ -430,19 +497,23 @@ def main(argv: list[str] | None = None) -> None:
     rows += profiler_rows(args.scale, args.rounds)
     rows += torch_rows(args.scale, args.rounds, args.workers)
 
-    table = Table(title=f"aiopar overhead per task ({args.workers} workers, best of {args.rounds})")
-    table.add_column("aiopar")
-    table.add_column("µs", justify="right")
-    table.add_column("anchor")
-    table.add_column("µs", justify="right")
-    table.add_column("anchor / aiopar", justify="right")
-    for ours_name, anchor_name, ours, anchor in rows:
+    table = Table(
+        title=f"aiopar overhead per task ({args.workers} workers, best of {args.rounds}; "
+        f"µs wall, and CPU of every thread)"
+    )
+    for column in ("aiopar", "µs", "cpu µs", "anchor", "µs", "cpu µs", "anchor / aiopar", "cpu"):
+        table.add_column(column, justify="left" if column in ("aiopar", "anchor") else "right")
+    for ours_name, anchor_name, ours, anchor, *cpu in rows:
+        cpu_ours, cpu_anchor = cpu or (None, None)
         table.add_row(
             ours_name,
             f"{ours * 1e6:.2f}",
+            "" if cpu_ours is None else f"{cpu_ours * 1e6:.2f}",
             anchor_name,
             f"{anchor * 1e6:.2f}",
+            "" if cpu_anchor is None else f"{cpu_anchor * 1e6:.2f}",
             f"{anchor / ours:.2f}x",
+            "" if cpu_ours is None else f"{cpu_anchor / cpu_ours:.2f}x",
         )
     console = Console(width=160)
     console.print(table)
@@ -465,6 +536,15 @@ TARGETS: list[tuple[tuple[str, str], float, list[tuple[str, str]]]] = [
         1.0,
         [INLINE_FLOOR],
     ),
+    (
+        (
+            "fork 10,000 then wait all",
+            "the same in a process with no BLAS loaded (the budget not listening)",
+        ),
+        1 / 1.1,
+        [],
+    ),
+    (("map of 10,000 then wait all", "torch.jit.fork 10,000 then wait, scripted"), 1.5, []),
     *(
         target
         for loop in ("asyncio", "uvloop")
@@ -494,20 +574,20 @@ TARGETS: list[tuple[tuple[str, str], float, list[tuple[str, str]]]] = [
 ]
 
 
-def targets_table(rows: list[tuple[str, str, float, float]]) -> Table:
-    """Each target's ratio in this run, and the most any pool could reach."""
-    measured = {
-        (ours_name, anchor_name): (ours, anchor) for ours_name, anchor_name, ours, anchor in rows
-    }
+def targets_table(rows: list[Row]) -> Table:
+    """Each target's ratio in this run (of wall times; of CPU times beside
+    it), and the most any pool could reach."""
+    measured = {(row[0], row[1]): row[2:] for row in rows}
     table = Table(title="targets (anchor / aiopar; reachable: anchor / the floors' sum)")
-    for column in ("aiopar", "anchor", "ratio", "target", "reachable", "verdict"):
+    for column in ("aiopar", "anchor", "ratio", "cpu", "target", "reachable", "verdict"):
         table.add_column(
-            column, justify="right" if column in ("ratio", "target", "reachable") else "left"
+            column,
+            justify="right" if column in ("ratio", "cpu", "target", "reachable") else "left",
         )
     for key, least, floors in TARGETS:
         if key not in measured or not all(floor in measured for floor in floors):
             continue  # a row this run has not got (no uvloop, no torch)
-        ours, anchor = measured[key]
+        ours, anchor, *cpu = measured[key]
         ratio = anchor / ours
         reachable = anchor / sum(measured[floor][1] for floor in floors) if floors else None
         if ratio >= least:
@@ -519,6 +599,7 @@ def targets_table(rows: list[tuple[str, str, float, float]]) -> Table:
         table.add_row(
             *key,
             f"{ratio:.2f}x",
+            f"{cpu[1] / cpu[0]:.2f}x" if cpu else "",
             f">= {least:.2f}x",
             "" if reachable is None else f"{reachable:.2f}x",
             verdict,
