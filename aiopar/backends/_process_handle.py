@@ -72,7 +72,7 @@ class Job:
         task, self.task = self.task, None
         if task is not None and task.claim() is not None:
             if self.items is not None:
-                self.skip = [i for i, item in enumerate(self.items) if not _claim(item)]
+                self.skip = [i for i, item in enumerate(self.items) if not _claim_item(item)]
             return True
         if self.future.running():
             return True
@@ -80,7 +80,7 @@ class Job:
         return False
 
 
-def _claim(future: Future[Any]) -> bool:
+def _claim_item(future: Future[Any]) -> bool:
     """Whether the call of a chunk's item is to be made: False if its future
     was cancelled (or settled by hand) before the chunk was sent."""
     try:
