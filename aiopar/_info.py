@@ -21,8 +21,9 @@ _more_lines: list[Callable[[], Iterable[str]]] = []
 def add_info_lines(source: Callable[[], Iterable[str]]) -> None:
     """Have `parallel_info` show the lines `source()` returns, called at each report.
 
-    The core imports none of the modules that use it: they register themselves
-    when imported.
+    The core imports none of the modules that use it (``aiopar.lowlevel``
+    hands it to plugins and ``aiopar.nn``): they register themselves when
+    imported.
     """
     if source not in _more_lines:
         _more_lines.append(source)

@@ -15,7 +15,9 @@ to behave as aiopar's own backends do:
   ``sys.path`` and exits with its parent;
 * **exit hooks**: work that must happen at interpreter exit once every
   backend has run what was queued;
-* argument checks that word their errors as aiopar's own calls do.
+* argument checks that word their errors as aiopar's own calls do;
+* **info lines**: what a plugin (or ``aiopar.nn``) adds to
+  :func:`aiopar.parallel_info`'s report.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 from ._checks import check_count
 from ._fresh import fresh_python
 from ._future import set_callback_runner
+from ._info import add_info_lines
 from ._shm import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
 from ._waiter import Waiter, get_waiter, set_waiter
 from .backends._exit import at_exit
@@ -32,6 +35,7 @@ __all__ = [
     "Segment",
     "SegmentPool",
     "Waiter",
+    "add_info_lines",
     "aligned",
     "at_exit",
     "check_count",

@@ -11,7 +11,7 @@ The LSTM's recurrent step runs through numpy (BLAS), or through oneDNN when
 chooses.
 """
 
-from aiopar._info import add_info_lines
+from aiopar.lowlevel import add_info_lines
 
 from ._engine import engine_info, lstm_engine, set_lstm_engine
 from .ensemble import BidirectionalRecurrentLSTM, LSTMEnsemble
