@@ -53,7 +53,6 @@ from aiopar._demo import (
     verdict,
 )
 from aiopar.nn import LSTMEnsemble, set_lstm_engine
-from aiopar.nn._onednn import OneDNNError, load
 
 # --quick: a token pause, the runs are tiny.
 QUICK_SPIN_PAUSE = 0.01
@@ -169,11 +168,8 @@ def engine_rows(ens: LSTMEnsemble, x: np.ndarray, anchor: Row | None) -> list[Ro
     """aiopar's default configuration (models forked, thread backend) on each
     LSTM engine that loads here, against `anchor`."""
     engines = ["numpy"]
-    try:
-        load()
+    if set_lstm_engine("onednn") == "onednn":  # it loaded and passed its self-test
         engines.append("onednn")
-    except OneDNNError:
-        pass
     default = ensemble_run(ens, x, "models forked")
     return [
         Row(f"aiopar default, {engine} engine", on_engine(engine, default), anchor=anchor)
