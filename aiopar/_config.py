@@ -42,7 +42,7 @@ def current_backend() -> Backend:
     if backend is not None:
         return backend
     backend = _default_backend
-    if backend is None or backend._closed:
+    if backend is None or backend.closed:
         with _default_lock:
             backend = _set_default(create_backend("thread"))
     return backend

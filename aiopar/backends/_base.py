@@ -278,8 +278,7 @@ class Backend(ABC):
         fails its own future only; a future cancelled before its chunk
         reaches it is skipped; a thread that waits on an item of a chunk that
         has not started runs the whole chunk itself. A coroutine function
-        gets a fork per item. A backend that runs tasks out of process forks
-        each item, unless it overrides this method to send chunks whole.
+        gets a fork per item. Each chunk goes to :meth:`submit_chunk`.
         """
         if not callable(fn):
             raise_not_callable(fn, f"{type(self).__name__}.map()")
@@ -289,20 +288,28 @@ class Backend(ABC):
             )
         check_count(chunksize, "map(chunksize=...)", none="picked from the items and workers")
         items = list(zip(*iterables, strict=False))  # as map(): to the shortest
-        if not self.stealable or is_async_callable(fn):
+        if is_async_callable(fn):
             return [self.fork(fn, *args) for args in items]
-        futures: list[Future[T]] = [Future() for _ in items]
         size = chunksize or chunk_size(len(items), self.max_workers)
+        futures: list[Future[T]] = []
         for start in range(0, len(items), size):
-            self.submit_chunk(fn, items[start : start + size], futures[start : start + size])
+            futures += self.submit_chunk(fn, items[start : start + size], first=start)
         return futures
 
     def submit_chunk(
-        self, fn: Callable[..., Any], items: list[tuple[Any, ...]], futures: list[Future[Any]]
-    ) -> None:
-        """Arrange for ``fn(*items[i])`` to settle ``futures[i]`` for each ``i``,
-        as one task of :attr:`task_class` that a waiter on any of the futures
-        may run (see :meth:`map`)."""
+        self, fn: Callable[..., Any], items: list[tuple[Any, ...]], *, first: int = 0
+    ) -> list[Future[Any]]:
+        """Start ``fn(*args)`` for each ``args`` of ``items`` as one task of
+        :attr:`task_class`, and return a future per item (see :meth:`map`);
+        ``first`` is the index of ``items[0]`` in the map, for messages.
+
+        A waiter on any of the futures may run the whole chunk. A backend
+        that runs tasks out of process (not :attr:`stealable`) forks each
+        item instead, unless it overrides this method to send chunks whole.
+        """
+        if not self.stealable:
+            return [self.fork(fn, *args) for args in items]
+        futures: list[Future[Any]] = [Future() for _ in items]
         chunk = _Chunk(fn, items, futures)
         chunk_future: Future[None] = Future()
         chunk_future._add_callback(chunk.cancel_if_cancelled)
@@ -315,6 +322,7 @@ class Backend(ABC):
         for future in futures:
             future._task = task
         self.submit(task)
+        return futures
 
     @abstractmethod
     def submit(self, task: Task) -> None:

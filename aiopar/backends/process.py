@@ -57,12 +57,12 @@ travels, errors included), and ``_process_worker`` (the worker's loop).
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _budget, _trace
 from .._future import Future
-from ._base import Backend, Task, check_count, chunk_size, is_async_callable
+from ._base import Backend, Task, check_count
 from ._process_handle import Job
 from ._process_pickle import (
     Packed,
@@ -184,38 +184,18 @@ class ProcessBackend(Backend):
             return _redirected_to.fork(fn, *args, **kwargs)
         return super().fork(fn, *args, **kwargs)
 
-    def map(
-        self, fn: Callable[..., T], /, *iterables: Iterable[Any], chunksize: int | None = None
-    ) -> list[Future[T]]:
-        """As :meth:`Backend.map`; a chunk travels to its worker as one
-        message (the function and the arguments of its calls) and comes
+    def submit_chunk(
+        self, fn: Callable[..., Any], items: list[tuple[Any, ...]], *, first: int = 0
+    ) -> list[Future[Any]]:
+        """As :meth:`Backend.submit_chunk`; a chunk travels to its worker as
+        one message (the function and the arguments of its calls) and comes
         back as one (an outcome per call). An item cancelled before its
         chunk is sent is skipped; an item's failure fails its future only,
         with its type and traceback text; a worker that dies fails every
-        item of the chunk it was running. A coroutine function gets a fork
-        per item."""
+        item of the chunk it was running."""
         if _redirected_to is not None:
-            return _redirected_to.map(fn, *iterables, chunksize=chunksize)
-        if not callable(fn) or not iterables or is_async_callable(fn):
-            # The base class says what is wrong, or forks a coroutine per item.
-            return super().map(fn, *iterables, chunksize=chunksize)
-        check_count(chunksize, "map(chunksize=...)", none="picked from the items and workers")
-        items = list(zip(*iterables, strict=False))  # as map(): to the shortest
-        futures: list[Future[T]] = [Future() for _ in items]
-        size = chunksize or chunk_size(len(items), self.max_workers)
-        for start in range(0, len(items), size):
-            self._submit_chunk(
-                fn, start, items[start : start + size], futures[start : start + size]
-            )
-        return futures
-
-    def _submit_chunk(
-        self,
-        fn: Callable[..., Any],
-        first: int,
-        items: list[tuple[Any, ...]],
-        futures: list[Future[Any]],
-    ) -> None:
+            return _redirected_to.submit_chunk(fn, items, first=first)
+        futures: list[Future[Any]] = [Future() for _ in items]
         pool = self._pool
         pool.check_open()
         chunk: Future[list[Any]] = Future()
@@ -227,6 +207,7 @@ class ProcessBackend(Backend):
             task.record = profiler.on_fork(task)
         packed = self._pack_call(task, "the arguments of item", first)
         pool.submit(Job(task, packed, futures))
+        return futures
 
     def submit(self, task: Task) -> None:
         self._pool.check_open()
