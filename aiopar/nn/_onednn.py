@@ -133,6 +133,15 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 }
 
 
+def _aligned_floats(size: int) -> np.ndarray:
+    """At least `size` bytes of float32 starting on a 64-byte boundary, as
+    oneDNN's kernels load them (numpy aligns large arrays to 16 bytes)."""
+    floats = -(-size // 4)
+    raw = np.empty(floats + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start : start + floats]
+
+
 class _Owned:
     """A oneDNN object destroyed with its last Python reference."""
 
@@ -368,7 +377,7 @@ class OneDNN:
         hidden = packed.hidden_size
         plain_md = self._md((hidden, 4 * hidden), "ab")
         size = int(lib.dnnl_memory_desc_get_size(matmul.weights_md.handle))
-        buffer = np.empty(-(-size // 4), np.float32)
+        buffer = _aligned_floats(size)
         reorder_pd = self._new(
             lib.dnnl_reorder_primitive_desc_create,
             plain_md.handle,
@@ -395,7 +404,7 @@ class OneDNN:
         if isinstance(made, _Buffers):
             return made
         rows, hidden = ws.h.shape
-        scratchpad = np.empty(-(-matmul.scratchpad_bytes // 4), np.float32)
+        scratchpad = _aligned_floats(matmul.scratchpad_bytes)
         made = ws.engine_data = _Buffers(
             self._stream(),
             self._memory(self._md((rows, hidden), "ab"), ws.h),
