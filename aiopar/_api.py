@@ -104,8 +104,9 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
     in list order among those done by then (as ``torch.futures.wait_all``
     documents it; torch 2's waits for every future first). The calling
     thread runs a task that has not started only once its future is the
-    last one not done: a task it ran could not be stopped when another
-    failed meanwhile.
+    last one not done, as a task it ran could not be stopped when another
+    failed meanwhile (a pool's worker first runs the tasks it forked that
+    are still queued, as it does before any wait).
     """
     futures = _future_list(futs, "wait_all()")
     del futs

@@ -243,7 +243,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         if timeout is not None:
             timeout = check_timeout(timeout)
         if (state := self._state) is PENDING or state is RUNNING:
-            # _block() inline: wait(fork(f)) runs f a call nearer, in help_first.
+            # _block() inline: wait(fork(f)) reaches f a call sooner (help_first runs it).
             task = self._task
             help_first(self, task, timeout)
             if self._state in _WAITING and not self._sleep(timeout, task):
