@@ -37,12 +37,12 @@ from typing import Any, Generic, TypeVar
 
 from ._blocking import block, cf_timeout, check_timeout, help_first
 from ._bridge import wait_on_loop
-from ._callbacks import drain_deferred, run_callbacks, run_each, set_callback_runner
+from ._callbacks import drain_deferred, run_callbacks, run_each
 from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback, describe_type
 from ._unretrieved import Unretrieved
 
-__all__ = ["Future", "copy_outcome", "set_callback_runner"]
+__all__ = ["Future", "copy_outcome"]
 
 T = TypeVar("T")
 U = TypeVar("U")

@@ -22,9 +22,9 @@ to behave as aiopar's own backends do:
 
 from __future__ import annotations
 
+from ._callbacks import set_callback_runner
 from ._checks import check_count
 from ._fresh import fresh_python
-from ._future import set_callback_runner
 from ._info import add_info_lines
 from ._shm import HAVE_MEMFD, Segment, SegmentPool, aligned, map_segment
 from ._waiter import Waiter, get_waiter, set_waiter

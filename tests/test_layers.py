@@ -56,12 +56,14 @@ def test_the_import_contracts_hold():
             "from .. import _future",
             "aiopar.nn is not allowed to import aiopar._future",
         ),
+        # a new module takes its place in the layers
+        ("_newcomer.py", "x = 1", "aiopar._newcomer"),
     ],
 )
 def test_an_import_against_the_design_breaks_a_contract(tmp_path, module, line, broken):
     copy = tmp_path / "aiopar"
     shutil.copytree(ROOT / "aiopar", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(copy / module, "a") as source:
+    with open(copy / module, "a") as source:  # or a new module
         source.write(f"\n\n{line}  # noqa\n")
     status, report = lint_imports(tmp_path)  # the copy shadows the checkout
     assert status != 0 and broken in report, report

@@ -307,7 +307,7 @@ class Backend(ABC):
         that runs tasks out of process (not :attr:`stealable`) forks each
         item instead, unless it overrides this method to send chunks whole.
         """
-        if not self.stealable:
+        if not self.stealable or len(items) == 1:  # a chunk of one is a fork
             return [self.fork(fn, *args) for args in items]
         futures: list[Future[Any]] = [Future() for _ in items]
         chunk = _Chunk(fn, items, futures)
