@@ -259,7 +259,8 @@ class ThreadBackend(Backend):
                 worker.slot,
                 forked_here
                 and self.forker_counts
-                # _loop.on_event_loop() inline: this runs on every fork that wakes a worker.
+                # No event loop runs here: _bridge.running_async_library() is None,
+                # inline (this runs on every fork that wakes a worker).
                 and _get_running_loop() is None
                 and _sniffio_thread.name is None,
             )
