@@ -239,3 +239,33 @@ def test_shutdown_cancels_outside_the_pool_lock_so_a_cancel_callback_may_fork():
     )
     assert done.returncode == 0, done.stderr
     assert "shut down" in done.stdout
+
+
+def test_a_worker_that_an_error_of_aiopar_stops_leaves_the_pool_working():
+    # Not a task's error (those settle its future): an error in the worker's
+    # own loop ends its thread. The pool replaces it, the task it had taken
+    # and its queued forks run, and threading's excepthook reports the error.
+    code = """
+        import threading
+        import aiopar
+        from aiopar.backends import thread
+
+        pool = aiopar.get_backend("thread", max_workers=1)
+        run_on_worker = thread.PoolTask.run_on_worker
+        failed = []
+
+        def first_run_fails(task):
+            if not failed:
+                failed.append(threading.current_thread())
+                raise RuntimeError("an error of aiopar's own")
+            run_on_worker(task)
+
+        thread.PoolTask.run_on_worker = first_run_fails
+        futures = [pool.fork(int, "7") for _ in range(5)]
+        print([f.wait(timeout=10) for f in futures], flush=True)  # never run by this thread
+        failed[0].join(10)  # its report is written
+    """
+    done = run_python(code, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[7,", "7,", "7,", "7,", "7]"], done.stdout
+    assert "an error of aiopar's own" in done.stderr

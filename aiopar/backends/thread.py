@@ -309,6 +309,19 @@ class ThreadBackend(Backend):
         finally:
             with self._lock:
                 worker.end_spell()
+                if worker in self._workers:
+                    # It stops on an error of aiopar's own (a task's never
+                    # reaches here), which threading's excepthook reports:
+                    # the pool goes on without it, and its queued forks are
+                    # another worker's to run.
+                    task = worker.task
+                    if task is not None and task.future is not None:  # not claimed
+                        self._tasks.appendleft(task)
+                    self._tasks.extend(worker.forks)
+                    worker.forks.clear()
+                    self._remove(worker)
+                    if self._backlog():
+                        self._wake_worker()
 
     def _next_task(self, forks: collections.deque[PoolTask]) -> PoolTask | None:
         """Its own newest fork, else the oldest task stolen from another
