@@ -101,7 +101,7 @@ class _Worker:
         # Tasks forked in this thread: it pops the newest, thieves the oldest.
         self.forks: collections.deque[PoolTask] = collections.deque()
         self.slot = Slot(is_worker=True)
-        self.task: Task | None = None  # the task it runs now, for exit reports
+        self.task: PoolTask | None = None  # the task it runs now, for exit reports
         # Held while it runs; it sleeps on it while idle, released by the
         # thread that wakes it. One lock per worker wakes exactly one.
         self.wake_up = threading.Lock()
