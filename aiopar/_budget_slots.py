@@ -107,15 +107,14 @@ class Slot:
                 self.sharing = False
                 self._recount(unused=unused)
 
-    def _waits(self, pending: int = 1) -> bool:
-        """It waits: rule 3 learns whether it forks and waits at once, which
-        it returns: within WAITS_AT_ONCE of its last fork that woke a worker,
-        no more than ``pending`` woken workers have yet to start a task
-        (the one woken for what it waits for, if it has not run that itself).
-        A share it took at that fork and never used comes back at once."""
+    def _waits(self, pending: int = 1) -> None:
+        """It waits: rule 3 learns whether it forks and waits at once: within
+        WAITS_AT_ONCE of its last fork that woke a worker, with no more than
+        ``pending`` woken workers yet to start a task (the one woken for what
+        it waits for, if it has not run that itself). It stops counting
+        beside its forks, at once if it forked and waited."""
         forked_at = self.forked_at
         self.forked_at = None
-        at_once = False
         if forked_at is not None:
             now = _budget.clock()
             at_once = len(self.wakes) <= pending and now - forked_at < WAITS_AT_ONCE
@@ -124,7 +123,6 @@ class Slot:
                 self.stop_sharing(unused=at_once and now - self.counted_since < WAITS_AT_ONCE)
         elif self.sharing:
             self.stop_sharing()
-        return at_once
 
     # -- a pool's worker: a spell of work from its wake-up to going idle --
 
