@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
+import itertools
 import logging
 import sys
 import threading
-import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import distributed
-from distributed import Client, KilledWorker, LocalCluster, Security
-from distributed.client import FutureCancelledError
+from distributed import Client, LocalCluster, Security
 
 import aiopar
 from aiopar.backends import Backend, Task
 from aiopar.lowlevel import at_exit, check_count
 
 from ._cluster import loopback_cluster_options
-from ._errors import RemoteFailure, unpack
+from ._inflight import Chunk, Fork, InFlight
 from ._reach import check_scheduler_blocking
 from ._settle import Settler
-from ._worker import run_task, run_task_async
+from ._worker import run_chunk, run_task, run_task_async
 
 __all__ = ["DaskBackend"]
 
@@ -65,15 +63,21 @@ class DaskBackend(Backend):
     Guarantees: every fork is a new task (``pure=False``: two forks of one
     function with the same arguments both run); the future settles with the
     task's value, or its exception with its type and the worker's traceback
-    (a task whose workers kept dying raises :class:`aiopar.BrokenWorkerError`);
+    (a task whose workers kept dying raises :class:`aiopar.BrokenWorkerError`;
+    a function or argument that does not pickle, TypeError);
     ``cancel()`` cancels the dask task (one already running on a worker runs
     to its end, and its result is dropped); a coroutine function is awaited
     on a worker's event loop; a task that forks and waits secedes from its
     worker's thread pool while it waits, so nested forks never deadlock a
     worker; done-callbacks run in a settler thread of this process, never on
-    dask's event loop, so they may block. At interpreter exit pending tasks
-    still run, unless the program ended with an uncaught KeyboardInterrupt:
-    then those not started are cancelled, as on the other backends.
+    dask's event loop, so they may block. Forks made in quick succession
+    reach the cluster as one batch (one graph), and tasks that complete
+    close together send their results in one transfer: a task that
+    completes while others of this backend still run settles up to 5 ms
+    later, so that its result travels with theirs. At interpreter exit
+    pending tasks still run, unless the program ended with an uncaught
+    KeyboardInterrupt: then those not started are cancelled, as on the
+    other backends.
     """
 
     name = "dask"
@@ -118,8 +122,10 @@ class DaskBackend(Backend):
         elif isinstance(client, Client):
             self._client = client
         self._settler = Settler("dask")
-        # the aiopar future of every task not settled yet, by dask key
-        self._inflight: dict[object, tuple[distributed.Future[Any], aiopar.Future[Any]]] = {}
+        self._inflight = InFlight(self._settler)
+        # Keys: the task's name (dask groups keys by it), this backend, a count.
+        self._key_prefix = uuid.uuid4().hex[:16]
+        self._key_count = itertools.count()
         # Registers for shutdown at exit: only now that the backend is whole,
         # so a constructor that raised leaves nothing for exit to trip on.
         super().__init__()
@@ -167,12 +173,7 @@ class DaskBackend(Backend):
         return super().fork(fn, *args, **kwargs)
 
     def submit(self, task: Task) -> None:
-        if self._closed:
-            raise RuntimeError(
-                "this dask backend has been shut down; fork on a new one "
-                "(aiopar.get_backend('dask', ...) creates one)"
-            )
-        client = self.client
+        client = self._client_to_send()
         fn = task.fn
         runner: Callable[..., Any] = run_task
         if type(fn) is _AsyncCall:
@@ -180,63 +181,60 @@ class DaskBackend(Backend):
         record = task.record
         future = task.future
         assert future is not None
-        # dask groups keys by the part before the last dash: the task's name.
-        key = f"{task.name}-{uuid.uuid4().hex}"
-        dask_future = client.submit(
-            runner,
-            nested_backend,
-            fn,
-            task.args,
-            task.kwargs,
-            record is not None,
-            key=key,
-            pure=False,
-        )
+        call = (runner, nested_backend, fn, task.args, task.kwargs, record is not None)
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
-        with self._lock:
-            self._inflight[key] = (dask_future, future)
-        future.add_done_callback(functools.partial(self._cancel_if_cancelled, dask_future))
-        loop = client.loop
-        assert loop is not None  # (a client that has started)
-        loop.add_callback(self._track, dask_future, future, record)
+        self._inflight.send(client, Fork(self._new_key(task.name), future, record), call)
 
-    async def _track(
-        self, dask_future: distributed.Future[Any], future: aiopar.Future[Any], record: Any
-    ) -> None:
-        """On the client's loop: fetch the result, then settle in the settler thread."""
-        try:
-            (value,) = await self.client.gather([dask_future], asynchronous=True)
-        except BaseException as exc:
-            outcome: tuple[Any, BaseException | None] = (None, _translate(exc, dask_future.key))
-        else:
-            if type(value) is RemoteFailure:  # the task's own exception (see run_task)
-                outcome = (None, unpack(value.packed))
-            else:
-                if record is not None:
-                    value, t0, t1, pid, tid, worker = value
-                    offset = time.time_ns() - time.perf_counter_ns()
-                    where = f"dask worker {worker}"
-                    record.on_remote_run(t0 - offset, t1 - offset, pid, tid, where)
-                outcome = (value, None)
-        with self._lock:
-            self._inflight.pop(dask_future.key, None)
-        self._settler.call(_settle, future, outcome)
+    def map(
+        self, fn: Callable[..., Any], /, *iterables: Iterable[Any], chunksize: int | None = None
+    ) -> list[aiopar.Future[Any]]:
+        """Start ``fn(*args)`` for each ``args`` of ``zip(*iterables)`` on the
+        cluster and return their futures at once, in order.
 
-    def _cancel_if_cancelled(
-        self, dask_future: distributed.Future[Any], future: aiopar.Future[Any]
-    ) -> None:
-        if future.cancelled():
-            client = self.client
-            loop = client.loop
-            assert loop is not None
-            loop.add_callback(client.cancel, [dask_future], asynchronous=True)
+        The items go in chunks of ``chunksize`` (by default the item count
+        over four times :attr:`max_workers`), one dask task each: many small
+        calls cost far less than a fork each. An item's failure fails its
+        own future only; a ``BaseException`` (``SystemExit``, say) ends its
+        chunk there, and the futures of the items after it are cancelled.
+        Cancelling an item's future drops its result (its chunk runs
+        anyway, unless every item of the chunk is cancelled before it is
+        sent). A coroutine function gets a fork per item.
+        """
+        if not callable(fn):
+            raise TypeError(f"DaskBackend.map() needs a callable, got {type(fn).__name__}")
+        if not iterables:
+            raise TypeError("DaskBackend.map() needs an iterable of arguments: map(fn, xs)")
+        check_count(chunksize, "map(chunksize=...)", none="picked from the items and workers")
+        items = list(zip(*iterables, strict=False))  # as map(): to the shortest
+        if _is_coroutine_function(fn):
+            return [self.fork(fn, *args) for args in items]
+        client = self._client_to_send()
+        futures: list[aiopar.Future[Any]] = [aiopar.Future() for _ in items]
+        # four chunks per worker, as Backend.map picks them
+        size = chunksize or max(1, -(-len(items) // (4 * self.max_workers)))
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        for start in range(0, len(items), size):
+            chunk = Chunk(self._new_key(name), futures[start : start + size])
+            call = (run_chunk, nested_backend, fn, items[start : start + size])
+            self._inflight.send(client, chunk, call)
+        return futures
+
+    def _client_to_send(self) -> Client:
+        if self._closed:
+            raise RuntimeError(
+                "this dask backend has been shut down; fork on a new one "
+                "(aiopar.get_backend('dask', ...) creates one)"
+            )
+        return self.client
+
+    def _new_key(self, name: str) -> str:
+        return f"{name}-{self._key_prefix}-{next(self._key_count)}"
 
     # -- shutdown --------------------------------------------------------------
 
     def drain(self) -> bool:
         """Return once no fork of this backend is pending; True if one was."""
-        with self._lock:
-            pending = [future for _, future in self._inflight.values()]
+        pending = self._inflight.futures()
         if not pending:
             return False
         aiopar.collect_all(pending).wait()
@@ -247,44 +245,22 @@ class DaskBackend(Backend):
             if self._closed:
                 return
             self._closed = True
-            inflight = list(self._inflight.values())
         client = self._client
         if client is not None and client.status == "running":
+            pending = self._inflight.futures()
             if cancel_pending:
-                for _, future in inflight:
+                for future in pending:
                     future.cancel()
             if wait:
-                aiopar.collect_all([future for _, future in inflight]).wait()
+                aiopar.collect_all(pending).wait()
         else:
-            lost = RuntimeError("the dask client closed before the task ended")
-            for _, future in inflight:
-                _settle(future, (None, lost))
+            self._inflight.fail_all(RuntimeError("the dask client closed before the task ended"))
         self._settler.close()
         if self._owns_client and client is not None:
             client.close()
         if self._cluster is not None:
             self._cluster.close()
         _live.discard(self)
-
-
-def _settle(future: aiopar.Future[Any], outcome: tuple[Any, BaseException | None]) -> None:
-    Task.settle(future, outcome)
-
-
-def _translate(exc: BaseException, key: object) -> BaseException:
-    """dask's exception for a task, as aiopar raises it."""
-    error: BaseException
-    if isinstance(exc, KilledWorker):
-        error = aiopar.BrokenWorkerError(
-            f"the dask workers that ran task {key!r} died each time (dask gave up: {exc})"
-        )
-        error.__cause__ = exc
-        return error
-    if isinstance(exc, FutureCancelledError):
-        error = aiopar.CancelledError(f"dask cancelled task {key!r}: {exc}")
-        error.__cause__ = exc
-        return error
-    return exc
 
 
 def _check_options(

@@ -23,7 +23,7 @@ from aiopar.lowlevel import set_waiter
 
 from ._errors import RemoteFailure, pack
 
-__all__ = ["Seceder", "run_task", "run_task_async"]
+__all__ = ["Seceder", "run_chunk", "run_task", "run_task_async"]
 
 
 class Seceder:
@@ -110,3 +110,27 @@ async def run_task_async(
     except Exception as exc:
         return RemoteFailure(pack(exc))
     return _timing(t0, value) if timed else value
+
+
+def run_chunk(
+    nested: Callable[[], aiopar.Backend], fn: Callable[..., Any], items: list[tuple[Any, ...]]
+) -> list[Any]:
+    """Run ``fn(*args)`` for each ``args`` of a chunk of ``map`` in a dask
+    worker thread, as :func:`run_task` runs a fork, and return what each gave:
+    its value, or its failure as a :class:`RemoteFailure`. A failure fails its
+    own item only; a ``BaseException`` (``SystemExit``, say) ends the chunk
+    there, and the items after it are not run."""
+    results: list[Any] = []
+    previous = set_waiter(Seceder(is_task=True))
+    try:
+        with aiopar.use_backend(nested()):
+            for args in items:
+                try:
+                    results.append(fn(*args))
+                except BaseException as exc:
+                    results.append(RemoteFailure(pack(exc)))
+                    if not isinstance(exc, Exception):
+                        break
+    finally:
+        set_waiter(previous)
+    return results

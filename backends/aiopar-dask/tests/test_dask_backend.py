@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 
@@ -182,6 +183,15 @@ def test_then_callbacks_may_block_on_other_forks(inproc):
     assert chained.wait(timeout=20) == 4
 
 
+def test_a_fork_that_cannot_be_sent_fails_alone(inproc):
+    before = [inproc.fork(double, x) for x in range(3)]
+    unsendable = inproc.fork(double, threading.Lock())
+    after = inproc.fork(double, 5)
+    with pytest.raises(TypeError, match=r"double\(\) cannot be sent to the cluster.*pickle"):
+        unsendable.wait(timeout=30)
+    assert aiopar.wait_all([*before, after]) == [0, 2, 4, 10]
+
+
 def test_cancel_maps_to_dask_cancel(inproc):
     calls.clear()
     busy = inproc.fork(sleep_then, 0.5, "busy")  # holds the only worker thread
@@ -206,6 +216,68 @@ def test_profiler_shows_a_row_per_dask_worker(procs):
     names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
     assert any(name.startswith("dask worker") for name in names)
     json.dumps(trace)
+
+
+# -- map -------------------------------------------------------------------------------------
+
+
+class Stop(BaseException):
+    """Ends a chunk, as SystemExit would, without ending the test."""
+
+
+def the_dask_task(x):
+    """The key of the dask task that runs this call, and x."""
+    return distributed.get_worker().get_current_task(), x
+
+
+def odd_fails(x):
+    if x == 13:
+        raise Stop("a BaseException ends its chunk")
+    if x % 2:
+        raise ValueError(f"{x} is odd")
+    return x
+
+
+def test_map_runs_a_dask_task_per_chunk_and_a_future_per_item(inproc):
+    futures = inproc.map(the_dask_task, range(10), chunksize=4)
+    assert len(futures) == 10
+    results = aiopar.wait_all(futures)
+    assert [x for _, x in results] == list(range(10))
+    keys = [key for key, _ in results]
+    assert [keys.count(key) for key in dict.fromkeys(keys)] == [4, 4, 2]
+    assert inproc.map(double, [], chunksize=3) == []
+    assert aiopar.wait_all(inproc.map(pow, [2, 3], [5, 2])) == [32, 9]  # zip(*iterables)
+
+
+def test_map_fails_an_item_alone_and_stops_a_chunk_at_a_base_exception(procs):
+    futures = procs.map(odd_fails, range(20), chunksize=5)
+    for x in range(10):
+        if x % 2:
+            with pytest.raises(ValueError, match=f"{x} is odd"):
+                futures[x].wait()
+        else:
+            assert futures[x].wait() == x
+    with pytest.raises(Stop):
+        futures[13].wait()
+    assert futures[14].cancelled()  # after the BaseException, in its chunk
+    assert [futures[x].wait() for x in (10, 12, 16, 18)] == [10, 12, 16, 18]
+
+
+def test_map_of_a_coroutine_function_forks_each_item(procs):
+    assert aiopar.wait_all(procs.map(on_worker_loop, [1, 2])) == [(2, True), (3, True)]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "words"),
+    [
+        ((42, [1]), {}, TypeError, "needs a callable"),
+        ((double,), {}, TypeError, "an iterable of arguments"),
+        ((double, [1]), {"chunksize": 0}, ValueError, "chunksize"),
+    ],
+)
+def test_map_refuses_bad_arguments_at_once(inproc, args, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        inproc.map(*args, **kwargs)
 
 
 # -- bad input ---------------------------------------------------------------------------
