@@ -191,6 +191,10 @@ def interrupting_after_each_call(code, action):
         def tracer(frame, event, arg):
             if frame.f_code is not code:
                 return None
+            # Since 3.12, opcode events come through sys.monitoring, which
+            # the f_trace_opcodes setter turns on only for a frame that
+            # already has its local trace function: set that one first.
+            frame.f_trace = in_frame
             frame.f_trace_opcodes = True
             return in_frame
 
@@ -200,6 +204,7 @@ def interrupting_after_each_call(code, action):
         except KeyboardInterrupt:
             pass
         else:
+            assert nth > 1, "the tracer saw no call return: no opcode events reached it"
             return
         finally:
             sys.settrace(None)
