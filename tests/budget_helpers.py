@@ -8,18 +8,27 @@ from aiopar._budget import budget
 
 
 def once_alone(fn):
-    """``fn`` run once no other thread counts against the budget.
+    """``fn`` run while no other thread counts against the budget: its
+    value is one read with none counting just before and just after.
 
     The thread that forks a task counts until it blocks in ``wait`` (it might
     be computing beside its fork), so a task that starts at once may see a
     share for a moment, and the libraries get their threads back up to 0.1 s
-    later (rule 4)."""
+    later (rule 4). A worker still awake from the last task may take the
+    fork before the worker woken for it starts: the forker then counts from
+    the fork, a moment after the task has started."""
+
+    def alone() -> bool:
+        return budget.running <= 1 and not late()
 
     def wrapper():
         deadline = time.monotonic() + 5
-        while (budget.running > 1 or late()) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return fn()
+        while True:
+            while not alone() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            value = fn()
+            if alone() or time.monotonic() >= deadline:
+                return value
 
     return wrapper
 

@@ -1,5 +1,6 @@
 """Helpers for tests that run Python in a child process, so a hang fails the
-test (by its timeout) instead of stalling the suite."""
+test (by its timeout) instead of stalling the suite, and for tests that wait
+until another thread or process has got somewhere."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -56,3 +59,12 @@ def start_python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
         text=True,
         **kwargs,
     )
+
+
+def eventually(predicate: Callable[[], object], timeout: float = 30) -> None:
+    """Return once ``predicate()`` is true; fail the test after ``timeout``
+    seconds. For state no event tells of: another thread's or process's."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {predicate}"
+        time.sleep(0.005)

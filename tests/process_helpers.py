@@ -90,13 +90,6 @@ def own_pool():
         backend.shutdown(cancel_pending=True)
 
 
-def eventually(predicate, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
 def script_env() -> dict[str, str]:
     """The environment for a script that imports what this process does."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -6,13 +6,13 @@ import asyncio
 import gc
 import os
 import threading
-import time
 import traceback
 import warnings
 import weakref
 
 import anyio
 import pytest
+from helpers import eventually
 
 import aiopar
 from aiopar import CancelledError, Future
@@ -195,32 +195,37 @@ BLOCKS_THE_LOOP = "stalls the event loop running in this thread"
 
 
 def blocking_calls():
-    """Each way of blocking on a future from a coroutine, on its own line."""
+    """Each way of blocking on a future from a coroutine, on its own line.
 
-    def not_started():
-        aiopar.fork(time.sleep, 0.01).wait()  # the waiter runs the task itself
+    Each takes ``lasts``, the task it forks: run by a worker, it lasts until
+    the wait has warned, so no future is done before its wait is called,
+    however late this thread gets there on a busy machine."""
 
-    def running():
-        fut = aiopar.fork(time.sleep, 0.05)
-        time.sleep(0.01)  # a worker has started it
+    def not_started(lasts):
+        aiopar.fork(lasts).wait()  # the waiter runs the task itself
+
+    def running(lasts):
+        started = threading.Event()
+        fut = aiopar.fork(lambda: (started.set(), lasts()))
+        assert started.wait(10)  # a worker runs it
         fut.wait()
 
-    def result():
-        aiopar.fork(time.sleep, 0.01).result()
+    def result(lasts):
+        aiopar.fork(lasts).result()
 
-    def sync_as_completed():
-        for _ in aiopar.as_completed([aiopar.fork(time.sleep, 0.01)]):
+    def sync_as_completed(lasts):
+        for _ in aiopar.as_completed([aiopar.fork(lasts)]):
             pass
 
-    def wait_all_runs_it():
+    def wait_all_runs_it(lasts):
         # The one worker is held: wait_all runs the queued task on the loop's thread.
         pool = aiopar.get_backend("thread", max_workers=1)
         gate = threading.Event()
         pool.fork(gate.wait, 5)
         aiopar.wait_all([pool.fork(gate.set)])
 
-    def collect_all_wait():
-        aiopar.collect_all([aiopar.fork(time.sleep, 0.01)]).wait()
+    def collect_all_wait(lasts):
+        aiopar.collect_all([aiopar.fork(lasts)]).wait()
 
     return [
         not_started,
@@ -235,7 +240,7 @@ def blocking_calls():
 @pytest.mark.parametrize("block", blocking_calls(), ids=lambda f: f.__name__)
 async def test_a_blocking_wait_on_the_loop_thread_warns_at_the_callers_line(block):
     with pytest.warns(RuntimeWarning, match=BLOCKS_THE_LOOP) as caught:
-        block()
+        block(lambda: eventually(lambda: len(caught), timeout=10))
     (warning,) = [w for w in caught if BLOCKS_THE_LOOP in str(w.message)]
     assert warning.filename == __file__, "attributed to the line that blocks"
     assert "await fut" in str(warning.message)
@@ -245,7 +250,8 @@ async def test_the_blocking_warning_is_shown_once_per_line():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for _ in range(3):
-            aiopar.fork(time.sleep, 0.001).wait()
+            with pytest.raises(TimeoutError):
+                Future().wait(timeout=0.001)  # never done: each wait blocks
     assert len([w for w in caught if BLOCKS_THE_LOOP in str(w.message)]) == 1
 
 

@@ -22,12 +22,12 @@ import weakref
 import numpy as np
 import process_helpers
 import pytest
+from helpers import eventually
 from process_helpers import (
     Scaler,
     add,
     double,
     echo,
-    eventually,
     explicit_process_fork,
     fail_deep,
     nested_fork,

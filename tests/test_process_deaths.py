@@ -8,7 +8,8 @@ import time
 
 import process_helpers
 import pytest
-from process_helpers import add, eventually, exit_now, kill_self, segfault
+from helpers import eventually
+from process_helpers import add, exit_now, kill_self, segfault
 
 import aiopar
 from aiopar import _fresh

@@ -8,9 +8,9 @@ import threading
 
 import process_helpers
 import pytest
+from helpers import eventually
 from process_helpers import (
     die_on,
-    eventually,
     fail_on_three,
     lock_on_three,
     sleep_then,

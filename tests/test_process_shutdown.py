@@ -15,7 +15,8 @@ import time
 
 import process_helpers
 import pytest
-from process_helpers import add, eventually, exited, run_script, script_env, sleep_then
+from helpers import eventually
+from process_helpers import add, exited, run_script, script_env, sleep_then
 
 import aiopar
 from aiopar.backends.process import ProcessBackend

@@ -10,7 +10,7 @@ import time
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
 from budget_helpers import late, once_alone, settle
-from helpers import python, run_python
+from helpers import eventually, python, run_python
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
@@ -47,11 +47,26 @@ def run_together(k: int, fn):
 
 def compute_beside_a_fork() -> None:
     """Show the budget that this thread computes beside its forks rather
-    than waiting for them at once, so it counts from its next fork on."""
-    warm_up = aiopar.fork(time.sleep, 0.01)
-    time.sleep(0.005)
+    than waiting for them at once, so it counts from its next fork on: it
+    blocks in wait for a fork a worker runs, longer than WAITS_AT_ONCE after
+    forking it (rule 3). The fork lasts until this thread has blocked."""
+    forker = _budget_slots.this_thread()
+    started = threading.Event()
+
+    def until_the_forker_blocks():
+        started.set()
+        eventually(lambda: forker.is_blocked, timeout=10)
+
+    pool = aiopar.get_backend()
+    # A worker still awake from the last task would take the fork waking none:
+    # a fork that wakes no worker teaches the budget nothing.
+    eventually(lambda: len(pool._idle) == len(pool._workers), timeout=10)
+    warm_up = aiopar.fork(until_the_forker_blocks)
+    assert started.wait(10)
+    time.sleep(2 * _budget_slots.WAITS_AT_ONCE)  # this thread computes beside it
     warm_up.wait()
     settle()
+    assert forker.anticipates
 
 
 def test_idle_process_uses_every_core():
