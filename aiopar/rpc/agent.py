@@ -120,13 +120,16 @@ class RpcBackendOptions:
     those of the embedded cluster; calls blocked in ``wait`` and pending
     ``async_execution`` futures do not count). ``security`` is passed to the
     engine (for dask, a ``distributed.Security``: TLS for the cluster and
-    the calls).
+    the calls; None, the default: the embedded cluster uses TLS with
+    certificates made as it starts, and a peer that joins a scheduler uses
+    none; False: no TLS at all).
 
     Raises ValueError for an ``rpc_timeout`` that is not a number >= 0, a
     ``num_worker_threads`` that is not a whole number >= 1, and an
     ``init_method`` with no host or a port outside 1-65535; TypeError for
     an ``init_method`` that is not a string or None, and a ``security``
-    that is plain data (such as ``"tls"``) rather than an engine's object.
+    that is plain data (such as ``"tls"``, or True) rather than an engine's
+    object or False.
     """
 
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
@@ -139,12 +142,14 @@ class RpcBackendOptions:
         if self.init_method is not None:
             check_address(self.init_method, "init_method")
         check_count(self.num_worker_threads, "num_worker_threads")
-        if isinstance(self.security, str | bytes | int | float | dict | list | tuple):
+        if self.security is not False and isinstance(
+            self.security, str | bytes | int | float | dict | list | tuple
+        ):
             raise TypeError(
                 f"security is the engine's security object (for aiopar-dask a "
                 f"distributed.Security, such as Security.temporary() or "
-                f"Security(tls_ca_file=..., tls_client_cert=..., require_encryption=True)) "
-                f"or None, got {self.security!r}"
+                f"Security(tls_ca_file=..., tls_client_cert=..., require_encryption=True)), "
+                f"None for the engine's default, or False for no TLS, got {self.security!r}"
             )
 
 

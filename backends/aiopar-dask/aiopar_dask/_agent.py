@@ -50,6 +50,7 @@ As :data:`aiopar.backends.thread.COMPENSATION_LIMIT` does for a thread pool.
 _logger = logging.getLogger("aiopar.rpc")
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
+_REPLY_THREADS = 16  # replies unpickled at once, each behind no other (see _link)
 _POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
 
 
@@ -81,9 +82,15 @@ class DaskRpcAgent(RpcAgent):
         self._settler = Settler("rpc")
         self._timeouts = Timeouts(self._settler.call)
         self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
-        # The one thread that reads this peer's connections: a callback of a
-        # call it settles may block, even on a reply it is to read.
+        # The one thread that reads this peer's connections, and the threads
+        # that unpickle the replies it does not: a callback of a call they
+        # settle may block, even on a reply they are to read.
         self._hub = _wire.Hub(thread_init=lambda: set_callback_runner(self._settler.call))
+        self._replies = Settler(
+            "rpc-reply",
+            threads=_REPLY_THREADS,
+            thread_init=lambda: set_callback_runner(self._settler.call),
+        )
         self._listener: _wire.Listener | None = None
         # Big buffers to peers of this machine go through shared memory from here.
         self._segments = SegmentPool() if HAVE_MEMFD else None
@@ -109,6 +116,9 @@ class DaskRpcAgent(RpcAgent):
     def stopped(self) -> BaseException | None:
         """Why this peer stopped serving and calling, or None while it serves."""
         return self._stopped
+
+    def read_later(self, fn: Callable[..., object], *args: Any) -> None:
+        self._replies.call(fn, *args)
 
     @property
     def port(self) -> int:
@@ -297,7 +307,7 @@ class DaskRpcAgent(RpcAgent):
         token = _worker_context.set(self._worker)
         what = "a call that cannot be unpickled"
         try:
-            fn, args, kwargs = _wire.loads(frames)
+            fn, args, kwargs = _read_call(frames, connection.peer_name, self._worker.name)
             frames.clear()  # (the pool's work item holds the list until this returns)
             what = _name(fn)
             result = run_callee(fn, args, kwargs)
@@ -332,6 +342,7 @@ class DaskRpcAgent(RpcAgent):
         for link in links:
             link.fail_all(reason)
         self._timeouts.close()
+        self._replies.close(timeout=0)
         self._settler.close(timeout=0)
 
     def join(self) -> None:
@@ -344,6 +355,7 @@ class DaskRpcAgent(RpcAgent):
         self._hub.close()
         if self._segments is not None:
             self._segments.close()  # (the mappings of other peers stay valid)
+        self._replies.close()
         self._settler.close()
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30) -> Any:
@@ -406,6 +418,24 @@ class _CallWaiter(Seceder):
 
 
 # -- replies -----------------------------------------------------------------------------------
+
+
+def _read_call(frames: Any, caller: str, callee: object) -> Any:
+    """A call's function and arguments. What unpickling them raises is the
+    data's, not this process's, and goes back to the caller noted as such:
+    an exception as itself (an AttributeError for a function the callee
+    lacks, as torch raises), anything else (a SystemExit, which would end
+    the caller) as a TypeError."""
+    try:
+        return _wire.loads(frames)
+    except Exception as exc:
+        exc.add_note(f"(raised unpickling a call from rpc peer {caller!r} on {callee!r})")
+        raise
+    except BaseException as exc:
+        raise TypeError(
+            f"a call from rpc peer {caller!r} cannot be unpickled on rpc peer {callee!r}: "
+            f"unpickling it raised {type(exc).__name__}({exc})"
+        ) from exc
 
 
 def _reply_value(connection: _wire.Connection, call_id: int, value: Any) -> None:

@@ -19,13 +19,15 @@ import aiopar
 from aiopar.backends import Backend, Task
 from aiopar.lowlevel import at_exit, check_count
 
-from ._cluster import loopback_cluster_options
+from ._cluster import LoopbackCluster, cluster_security, loopback_cluster_options
 from ._inflight import Chunk, Fork, InFlight
 from ._reach import check_scheduler_blocking
 from ._settle import Settler
 from ._worker import run_chunk, run_task, run_task_async
 
 __all__ = ["DaskBackend"]
+
+_CONNECT_TIMEOUT = 10.0  # seconds a scheduler at an address has to answer, unless told
 
 
 class _AsyncCall:
@@ -52,13 +54,20 @@ class DaskBackend(Backend):
     """Forks run on a dask.distributed cluster.
 
     Which cluster: ``client`` (your own :class:`distributed.Client`, which
-    stays yours: shutdown leaves it open), else the scheduler at ``address``,
-    else an embedded ``LocalCluster`` of ``n_workers`` workers with
-    ``threads_per_worker`` threads each (dask's defaults when None), worker
-    processes unless ``processes=False``. The embedded cluster listens on
-    127.0.0.1 only, its HTTP servers included. ``security`` (a
-    :class:`distributed.Security`) gives TLS to the embedded cluster or to
-    the connection to ``address``.
+    stays yours: shutdown leaves it open), else the scheduler at ``address``
+    (given ``timeout`` seconds to answer, 10 by default: a silent address
+    raises TimeoutError, anything that is no dask scheduler OSError, each
+    naming the address), else an embedded ``LocalCluster`` of ``n_workers``
+    workers with ``threads_per_worker`` threads each (dask's defaults when
+    None), worker processes unless ``processes=False``.
+
+    The embedded cluster listens on 127.0.0.1 only, its HTTP servers
+    included, and uses TLS with certificates made as it starts (dask's
+    ``Security.temporary()``), so no other process of the machine can use
+    its scheduler or reach its workers; ``security`` (a
+    :class:`distributed.Security`) gives it your certificates instead, and
+    ``security=False`` no TLS. With ``address``, ``security`` is the TLS of
+    the connection to that scheduler (none by default).
 
     Guarantees: every fork is a new task (``pure=False``: two forks of one
     function with the same arguments both run); the future settles with the
@@ -91,10 +100,12 @@ class DaskBackend(Backend):
         n_workers: int | None = None,
         threads_per_worker: int | None = None,
         processes: bool = True,
-        security: Security | None = None,
+        security: Security | bool | None = None,
+        timeout: float | None = None,
         _client_factory: Callable[[], Client] | None = None,  # inside a task: its worker's
     ) -> None:
         _check_options(address, client, n_workers, threads_per_worker, processes, security)
+        _check_timeout(timeout, address)
         self._lock = threading.Lock()
         self._cluster: LocalCluster | None = None
         self._owns_client = client is None and _client_factory is None
@@ -102,11 +113,11 @@ class DaskBackend(Backend):
         self._client: Client | None = None
         if self._owns_client:
             if address is None:
-                self._cluster = LocalCluster(
+                self._cluster = LoopbackCluster(
                     n_workers=n_workers,
                     threads_per_worker=threads_per_worker,
                     processes=processes,
-                    **loopback_cluster_options(security, processes),
+                    **loopback_cluster_options(cluster_security(security), processes),
                 )
                 try:
                     self._client = Client(
@@ -117,8 +128,10 @@ class DaskBackend(Backend):
                     raise
             else:
                 # dask's Client waits without limit for a server that never answers
-                check_scheduler_blocking(address, security, timeout=0)
-                self._client = Client(address, security=security, set_as_default=False)
+                seconds = _CONNECT_TIMEOUT if timeout is None else timeout
+                tls = security if isinstance(security, Security) else None
+                check_scheduler_blocking(address, tls, seconds)
+                self._client = Client(address, security=tls, set_as_default=False, timeout=seconds)
         elif isinstance(client, Client):
             self._client = client
         self._settler = Settler("dask")
@@ -294,8 +307,26 @@ def _check_options(
             )
     if not isinstance(processes, bool):
         raise TypeError(f"processes must be True or False, got {processes!r}")
-    if security is not None and not isinstance(security, Security):
-        raise TypeError(f"security must be a distributed.Security, got {type(security).__name__}")
+    if security is not None and security is not False and not isinstance(security, Security):
+        raise TypeError(
+            f"security must be a distributed.Security, or False for no TLS, "
+            f"got {type(security).__name__}"
+        )
+
+
+def _check_timeout(timeout: object, address: object) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(
+            f"timeout is the seconds the scheduler at address has to answer, a number > 0, "
+            f"got {timeout!r}"
+        )
+    if address is None:
+        raise ValueError(
+            "timeout bounds the wait for the scheduler at address; the embedded cluster "
+            "and a client of your own take none"
+        )
 
 
 _nested: DaskBackend | None = None

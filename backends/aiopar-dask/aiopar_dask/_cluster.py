@@ -1,4 +1,4 @@
-"""How aiopar starts dask processes: on loopback only, quiet, and without the user's ``__main__``.
+"""How aiopar starts dask processes: loopback only, TLS, quiet, without the user's ``__main__``.
 
 Every cluster aiopar starts (the dask backend's, ``init_rpc``'s) is made of
 the pieces here:
@@ -7,6 +7,10 @@ the pieces here:
   HTTP server even without a dashboard (dask/distributed#7207), and an
   in-process cluster binds its servers to the machine's address unless told
   otherwise. Every address is spelled out (:func:`loopback_cluster_options`).
+- **TLS by default** (:func:`cluster_security`): certificates made at
+  start-up (dask's ``Security.temporary()``), so a local process that is
+  not part of the cluster can neither use the scheduler nor reach a worker,
+  unless the user gives a ``Security`` of their own, or ``False`` for none.
 - **HTTP under the cluster's TLS**: a dask server takes TLS for its HTTP
   server (info pages, metrics, health) only from the dashboard's own config
   files; a :class:`TlsHttp` server serves them with the context of its
@@ -42,7 +46,7 @@ from typing import Any
 
 import distributed
 import psutil
-from distributed import Nanny, Security
+from distributed import LocalCluster, Nanny, Security, SpecCluster
 from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 from distributed.utils import silence_logging_cmgr
@@ -52,10 +56,13 @@ from aiopar.lowlevel import fresh_python
 __all__ = [
     "HEARTBEAT_FAILED",
     "LOOPBACK",
+    "ClusterWorker",
     "FreshNanny",
+    "LoopbackCluster",
     "QuietWorker",
     "TlsHttp",
     "TlsScheduler",
+    "cluster_security",
     "loopback_cluster_options",
     "protocol_for",
 ]
@@ -63,7 +70,19 @@ __all__ = [
 LOOPBACK = "127.0.0.1"
 
 
-# -- addresses -------------------------------------------------------------------------
+# -- addresses and TLS -----------------------------------------------------------------
+
+
+def cluster_security(security: Security | bool | None) -> Security | None:
+    """The security of a cluster aiopar starts: ``security`` itself if it
+    is a ``distributed.Security``, none for False, else TLS with
+    certificates made now (``Security.temporary()``, in memory)."""
+    if security is False:
+        return None
+    if isinstance(security, Security):
+        return security
+    made: Security = Security.temporary()
+    return made
 
 
 def protocol_for(security: Security | None) -> str:
@@ -86,7 +105,7 @@ def loopback_cluster_options(security: Security | None, processes: bool) -> dict
     else:
         # In one process the comms need no sockets at all.
         options["protocol"] = "inproc://"
-        options["worker_class"] = QuietWorker
+        options["worker_class"] = ClusterWorker
         del options["host"]
     if security is not None:
         options["security"] = security
@@ -118,6 +137,23 @@ class TlsScheduler(TlsHttp, distributed.Scheduler):
     http_role = "scheduler"
 
 
+class _TlsSchedulerSpec(SpecCluster):
+    """Makes the scheduler of the cluster a :class:`TlsScheduler` (``LocalCluster``
+    names its scheduler's class itself, and hands it to ``SpecCluster``)."""
+
+    def __init__(self, *, scheduler: dict[str, Any], **kwargs: Any) -> None:
+        scheduler = {**scheduler, "cls": TlsScheduler}
+        super().__init__(scheduler=scheduler, **kwargs)  # type: ignore[no-untyped-call]
+
+
+class LoopbackCluster(LocalCluster, _TlsSchedulerSpec):
+    """A ``LocalCluster`` whose scheduler serves its HTTP pages under the
+    cluster's TLS; give it :func:`loopback_cluster_options`."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)  # type: ignore[no-untyped-call]
+
+
 # -- quiet workers ----------------------------------------------------------------------------
 
 HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat."
@@ -142,7 +178,7 @@ _FILTER = _HeartbeatCutByClose()
 
 class QuietWorker(distributed.Worker):
     """A ``distributed.Worker`` that does not log, as an error, the heartbeat
-    its own close cut short. Every worker of a cluster aiopar starts is one."""
+    its own close cut short."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -156,6 +192,11 @@ class QuietWorker(distributed.Worker):
             _beating.reset(beating)
 
 
+class ClusterWorker(TlsHttp, QuietWorker):
+    """The worker of every cluster aiopar starts: quiet as it closes, its
+    HTTP pages under the cluster's TLS."""
+
+
 # -- nannies in fresh interpreters -----------------------------------------------------------
 
 # How long a nanny may take to stop its worker once told to, before it is killed.
@@ -166,13 +207,13 @@ class FreshNanny(ProcessInterface):
     """A :class:`distributed.Nanny` in a process of its own, for ``SpecCluster``
     (and ``LocalCluster(worker_class=FreshNanny)``): it takes the nanny's
     arguments, and its ``address`` is the nanny's once it has started. Its
-    worker is a :class:`QuietWorker` unless ``worker_class`` names another."""
+    worker is a :class:`ClusterWorker` unless ``worker_class`` names another."""
 
     def __init__(self, scheduler: str, name: object = None, **options: Any) -> None:
         super().__init__(scheduler, name)  # type: ignore[no-untyped-call]
         self.scheduler = scheduler
         self.name = name
-        self.options = {"worker_class": QuietWorker, **options}
+        self.options = {"worker_class": ClusterWorker, **options}
         self.worker_address: str | None = None
         self.process: asyncio.subprocess.Process | None = None
         self._channel: socket.socket | None = None

@@ -10,6 +10,7 @@ not called.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -29,7 +30,7 @@ from aiopar.rpc.agent import RpcBackendOptions, current_agent_or_none, set_curre
 
 from . import _wire
 from ._agent import DaskRpcAgent, close_peer, polls
-from ._cluster import LOOPBACK, FreshNanny, TlsScheduler, protocol_for
+from ._cluster import LOOPBACK, FreshNanny, TlsScheduler, cluster_security, protocol_for
 from ._peer import JOINED_KEY, SECRET_KEY, Peer
 from ._reach import check_scheduler
 
@@ -281,8 +282,14 @@ class _Engine:
     def start(
         self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
     ) -> DaskRpcAgent:
-        """Make this process the peer ``name`` (``init_rpc``)."""
+        """Make this process the peer ``name`` (``init_rpc``). An embedded
+        cluster uses TLS unless the options' ``security`` is False (with
+        certificates made now, unless it is a ``Security`` of the user's)."""
         _check_security(options.security)
+        if options.init_method is None:
+            options = dataclasses.replace(options, security=cluster_security(options.security))
+        else:
+            options = _joining(options)
         runner = _LoopThread()
         parts = _Parts()
         try:
@@ -301,6 +308,7 @@ class _Engine:
         interrupted (SIGINT, SIGTERM) or the scheduler goes away, saying on
         stderr what it serves once it has joined, and why it stopped."""
         _check_security(options.security)
+        options = _joining(options)
 
         async def main() -> None:
             await check_scheduler(scheduler, options.security, options.rpc_timeout)
@@ -336,11 +344,20 @@ def _say(line: str) -> None:
 
 
 def _check_security(security: object) -> None:
-    if security is not None and not isinstance(security, Security):
+    if security is not None and security is not False and not isinstance(security, Security):
         raise TypeError(
             f"the security of aiopar-dask's rpc_backend_options is a distributed.Security "
-            f"(such as Security.temporary()) or None, got {type(security).__name__}"
+            f"(such as Security.temporary()), False for no TLS, or None, "
+            f"got {type(security).__name__}"
         )
+
+
+def _joining(options: RpcBackendOptions) -> RpcBackendOptions:
+    """The options of a peer that joins a scheduler: its ``Security`` if one
+    was given (the scheduler's own TLS), else none."""
+    if isinstance(options.security, Security):
+        return options
+    return dataclasses.replace(options, security=None)
 
 
 def _undo(runner: _LoopThread, parts: _Parts) -> None:

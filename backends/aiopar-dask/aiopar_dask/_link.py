@@ -2,8 +2,12 @@
 
 A caller keeps one connection to each callee it calls (see ``_wire`` for why
 not a dask comm) and writes its calls on it from its own thread; the
-process's hub reads the replies and settles the calls' futures (their
-callbacks run elsewhere: see ``set_callback_runner``). :class:`Timeouts`
+process's hub reads the replies. A reply of plain data (``_wire.plain``:
+nothing in it runs code as it is read) settles its call's future there;
+any other reply is unpickled in a reply thread of its own
+(:meth:`Caller.read_later`), so one that is slow to unpickle, or that waits
+for other replies as it is unpickled, delays its own call only. Callbacks of
+the futures run elsewhere (see ``set_callback_runner``). :class:`Timeouts`
 fails the calls that have no reply by their deadline. What a link needs of
 the agent whose calls it carries is a :class:`Caller`.
 """
@@ -45,6 +49,9 @@ class Caller(Protocol):
 
     def forget_link(self, link: Link) -> None:
         """``link`` broke: the next call to its callee connects anew."""
+
+    def read_later(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` in a reply thread, behind no other slow reply."""
 
 
 class Link:
@@ -94,6 +101,15 @@ class Link:
 
     def _on_reply(self, connection: _wire.Connection, kind: int, call_id: int, frames: Any) -> None:
         """In the hub's thread: whatever a reply holds settles that reply's call only."""
+        if kind == _wire.VALUE:
+            value = _wire.plain(frames)
+            if value is not _wire.NOT_PLAIN:
+                self._settle(call_id, (value, None, None))
+                return
+        self._caller.read_later(self._read, call_id, kind, frames)
+
+    def _read(self, call_id: int, kind: int, frames: Any) -> None:
+        """In a reply thread: unpickle the reply, and settle its call."""
         # Read before the call's future is at hand: a remote traceback is made
         # of frames whose callers are this stack, so no frame of it may hold
         # the future (a reference cycle: see aiopar's Future).

@@ -27,7 +27,7 @@ from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 
 from . import _wire
 from ._agent import DaskRpcAgent
-from ._cluster import QuietWorker, TlsHttp
+from ._cluster import ClusterWorker
 
 __all__ = ["JOINED_KEY", "SECRET_KEY", "Peer"]
 
@@ -55,7 +55,7 @@ def _rpc_local(worker: Peer) -> str | None:
     return worker.rpc_agent.local
 
 
-class Peer(TlsHttp, QuietWorker):
+class Peer(ClusterWorker):
     """A dask worker that is also an rpc peer, named ``name`` with id
     ``peer_id``: its rank, or a negative id for a peer without one.
 

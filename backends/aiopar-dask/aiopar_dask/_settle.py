@@ -1,11 +1,13 @@
-"""Settling aiopar futures off the event loop.
+"""Settling aiopar futures off the event loop and off the rpc wire's thread.
 
 A future's done-callbacks run in the thread that settles it, and a callback
 may block in ``wait()`` on another remote result. On the event loop that
 result could never arrive, so results go from the loop to a settler thread.
 One thread does the work while callbacks return quickly; a thread whose
 callback blocks hands the queue to a new one (the waiter protocol tells it),
-so a blocking callback never stalls the others.
+so a blocking callback never stalls the others. A settler of several
+threads (``threads``) also starts a new one for a call that would wait
+behind a busy one, so a slow call delays no other.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ _IDLE_EXIT = 2.0  # seconds a surplus thread stays idle before it exits
 
 
 class Settler:
-    """A queue of calls run in order by a thread that is replaced while it blocks."""
+    """A queue of calls run in order by a thread that is replaced while it
+    blocks; with ``threads`` above 1, by up to that many at once.
+    ``thread_init`` runs first in each of its threads."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self, name: str, threads: int = 1, thread_init: Callable[[], object] = list
+    ) -> None:
         self._name = name
+        self._most = threads  # busy threads at once, blocked ones not counted
+        self._thread_init = thread_init
         self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -43,7 +51,7 @@ class Settler:
                 self._calls.append((fn, args))
                 if self._idle:
                     self._wake.notify()
-                elif not self._busy:
+                elif self._busy < self._most:
                     self._start()
         if closed:
             fn(*args)  # a late result after close: settled here rather than lost
@@ -58,6 +66,7 @@ class Settler:
         thread.start()
 
     def _run(self) -> None:
+        self._thread_init()
         set_waiter(_Handover(self))
         calls, lock = self._calls, self._lock
         try:
@@ -83,7 +92,7 @@ class Settler:
     def _blocked(self) -> None:
         with self._lock:
             self._busy -= 1
-            if self._calls and not self._idle and not self._busy and not self._closed:
+            if self._calls and not self._idle and self._busy < self._most and not self._closed:
                 self._start()
 
     def _resumed(self) -> None:

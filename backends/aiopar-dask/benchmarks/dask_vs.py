@@ -4,12 +4,19 @@ Rows, each measured in this one run; where two contenders share a cluster
 they take turns round by round (so they see the same machine load) and each
 gets its median:
 
+The clusters are the defaults a user gets: TLS with certificates made at
+start-up (which the rpc peers of one machine do not need: they talk over a
+Unix socket), but where a row says otherwise.
+
 - fork, sequential: fork a no-op and wait, repeat; raw dask:
   ``client.submit(noop, pure=False).result()`` on the same client;
 - fork, batched: fork N no-ops, then wait for all; raw dask: N submits, then
   ``client.gather``;
 - fork, 100 MB argument: a 100 MB float64 array as the argument (the task
   returns a number); raw dask: the same submit;
+- map, N items: ``backend.map(noop, range(N))`` (a dask task per chunk),
+  then wait for all; raw dask: ``client.map`` (a task per item), then
+  ``client.gather``;
 - rpc_sync of a no-op between two processes; torch: ``rpc_sync`` over
   TensorPipe between two local processes (when torch is installed). The
   no-op is ``int`` (``int()`` is 0), which both pickle by reference: a
@@ -20,9 +27,10 @@ gets its median:
   and dask's own transfer of the same array (the fork row's raw dask time):
   the two processes share memory (a Unix socket and a segment);
 - rpc_sync, 100 MB argument, over TCP: the same call as between peers of two
-  machines (this process does not look for the other's Unix socket);
-- rpc_sync of a no-op with TLS (``distributed.Security.temporary()``, when
-  the cryptography package is installed), against torch's plain rpc_sync.
+  machines without TLS (``security=False``; this process does not look for
+  the other's Unix socket);
+- rpc_sync of a no-op over TCP with the default TLS, as between peers of two
+  machines under TLS, against torch's plain rpc_sync and aiopar's default.
 
 aiopar's rpc rows and torch's are measured in passes that alternate
 (``--passes``, 3 by default), and each row keeps its best pass: the two
@@ -115,11 +123,19 @@ def fork_rows(rounds: int, array: np.ndarray) -> list[Row]:
     def dask_batch() -> None:
         client.gather([client.submit(noop, i, pure=False) for i in range(batch)])
 
+    def aiopar_map() -> None:
+        aiopar.wait_all(backend.map(noop, range(batch)))
+
+    def dask_map() -> None:
+        client.gather(client.map(noop, range(batch), pure=False))
+
     rows = []
     for name, t in median_times({"aiopar": aiopar_seq, "dask": dask_seq}, rounds).items():
         rows.append(per_call("fork, sequential", name, t, seq))
     for name, t in median_times({"aiopar": aiopar_batch, "dask": dask_batch}, rounds).items():
         rows.append(per_call("fork, batched", name, t, batch))
+    for name, t in median_times({"aiopar": aiopar_map, "dask": dask_map}, rounds).items():
+        rows.append(per_call(f"map, {batch} items", name, t, batch))
     runs = {
         "aiopar": lambda: backend.fork(nbytes, array).wait(),
         "dask": lambda: client.submit(nbytes, array, pure=False).result(),
@@ -152,25 +168,22 @@ def rpc_rows(rounds: int, array: np.ndarray) -> list[Row]:
     rpc.shutdown()
     local, connecting._connect_local = connecting._connect_local, lambda name, timeout: None
     try:
-        rpc.init_rpc("worker0", world_size=2)
+        plain = rpc.RpcBackendOptions(security=False)
+        rpc.init_rpc("worker0", world_size=2, rpc_backend_options=plain)
         tcp = median_times({"array": lambda: rpc.rpc_sync("worker1", len, args=(array,))}, rounds)
+        rpc.shutdown()
+        rpc.init_rpc("worker0", world_size=2)
+        tls = median_times({"sync": sync}, rounds)
         rpc.shutdown()
     finally:
         connecting._connect_local = local
-    rows = [
+    return [
         per_call("rpc_sync, no-op", "aiopar", times["sync"], seq),
         per_call(f"rpc_async, {IN_FLIGHT:,} in flight", "aiopar", times["async"], IN_FLIGHT),
         per_call("rpc_sync, 100 MB argument", "aiopar", times["array"]),
         per_call("rpc_sync, 100 MB argument, TCP", "aiopar", tcp["array"]),
+        per_call("rpc_sync, no-op, TCP and TLS", "aiopar", tls["sync"], seq),
     ]
-    try:
-        tls = distributed.Security.temporary()  # needs the cryptography package
-    except ImportError:
-        return rows
-    rpc.init_rpc("worker0", world_size=2, rpc_backend_options=rpc.RpcBackendOptions(security=tls))
-    tls_times = median_times({"sync": sync}, rounds)
-    rpc.shutdown()
-    return [*rows, per_call("rpc_sync, no-op, TLS", "aiopar", tls_times["sync"], seq)]
 
 
 _TORCH_PEER = """
@@ -269,6 +282,7 @@ def main() -> None:
     anchors = {
         "fork, sequential": [("dask", "fork, sequential")],
         "fork, batched": [("dask", "fork, batched")],
+        "map, 500 items": [("dask", "map, 500 items")],
         "fork, 100 MB argument": [("dask", "fork, 100 MB argument")],
         "rpc_sync, no-op": [("torch", "rpc_sync, no-op")],
         f"rpc_async, {IN_FLIGHT:,} in flight": [("torch", f"rpc_async, {IN_FLIGHT:,} in flight")],
@@ -280,7 +294,10 @@ def main() -> None:
             ("torch", "rpc_sync, 100 MB argument"),
             ("aiopar", "rpc_sync, 100 MB argument"),
         ],
-        "rpc_sync, no-op, TLS": [("torch", "rpc_sync, no-op"), ("aiopar", "rpc_sync, no-op")],
+        "rpc_sync, no-op, TCP and TLS": [
+            ("torch", "rpc_sync, no-op"),
+            ("aiopar", "rpc_sync, no-op"),
+        ],
     }
     print(
         f"distributed {distributed.__version__}, {os.cpu_count()} cores, {rounds} rounds, "

@@ -292,6 +292,8 @@ def test_map_refuses_bad_arguments_at_once(inproc, args, kwargs, error, words):
         ({"client": "tcp://127.0.0.1:1"}, TypeError, "distributed.Client"),
         ({"processes": "yes"}, TypeError, "True or False"),
         ({"security": {"tls": True}}, TypeError, "distributed.Security"),
+        ({"address": "tcp://127.0.0.1:1", "timeout": 0}, ValueError, "a number > 0"),
+        ({"timeout": 5}, ValueError, "bounds the wait for the scheduler at address"),
     ],
 )
 def test_bad_options_fail_at_once(options, error, words):
@@ -470,6 +472,25 @@ def test_settler_threads_hand_over_while_a_callback_blocks(inproc):
     assert blocked.wait(timeout=10) == 2
 
 
+def test_the_embedded_cluster_uses_tls_unless_told_not_to():
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    import urllib.request
+
+    for security, scheme in ((None, "tls://"), (False, "tcp://")):
+        backend = DaskBackend(n_workers=1, threads_per_worker=1, security=security)
+        try:
+            assert backend.client.scheduler.address.startswith(scheme)
+            assert backend.fork(double, 3).wait() == 6
+            port = backend._cluster.scheduler.http_server.port
+            if scheme == "tls://":
+                with pytest.raises(OSError):  # its HTTP pages over TLS only
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+            else:
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+        finally:
+            backend.shutdown()
+
+
 def test_tls_through_dasks_security():
     pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
     backend = DaskBackend(
@@ -480,6 +501,22 @@ def test_tls_through_dasks_security():
         assert backend.fork(double, 4).wait() == 8
     finally:
         backend.shutdown()
+
+
+def test_a_silent_address_fails_within_the_timeout_naming_it():
+    # dask's own connect waited 30 s, and use_backend took no timeout.
+    script = """
+        import socket, aiopar
+        silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        try:
+            with aiopar.use_backend("dask", address=address, timeout=1):
+                pass
+        except TimeoutError as exc:
+            print(address in str(exc), "within 1 s" in str(exc))
+    """
+    done = run_python(script, timeout=60)
+    assert done.stdout.split() == ["True", "True"], done.stderr
 
 
 def test_a_bad_address_or_client_fails_at_use_backend_saying_what_is_there():

@@ -12,9 +12,10 @@ import array
 import os
 import queue
 import socket
-import ssl
 import sys
+import threading
 
+import distributed
 import numpy as np
 import pytest
 from aiopar_dask import _wire
@@ -154,15 +155,48 @@ def test_a_name_that_nothing_listens_on_here_means_tcp(pair):
     assert caller.segments._next_id == 1  # no segment: the bytes went over TCP
 
 
-def test_tls_keeps_to_tcp():
+def replies_to(replies: queue.Queue[object]) -> _wire.OnMessage:
+    return lambda connection, kind, call_id, frames: replies.put(frames)
+
+
+def test_tls_encrypts_tcp_and_peers_of_one_machine_keep_their_unix_socket():
+    # No other user of the machine can read a Unix socket: TLS is for what
+    # crosses the network, and a peer of this machine keeps shared memory.
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    security = distributed.Security.temporary()
+    secret = _wire.new_secret()
     hub = _wire.Hub(name="aiopar-rpc-io-test")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    listener = _wire.Listener(hub, "127.0.0.1", context, b"s" * 32, print, SegmentPool())
+
+    def echo(connection: _wire.Connection, kind: int, call_id: int, frames: object) -> None:
+        connection.send(_wire.VALUE, call_id, *_wire.dumps(_wire.loads(frames)), wait=False)
+
+    context = security.get_listen_args("worker")["ssl_context"]
+    listener = _wire.Listener(hub, "127.0.0.1", context, secret, echo, SegmentPool())
+    segments = SegmentPool()
     try:
-        assert listener.local is None  # every byte encrypted, none in shared memory
+        assert listener.local is not None
+        for local, expected in ((listener.local, socket.AF_UNIX), (None, socket.AF_INET)):
+            connection = _wire.connect(
+                "127.0.0.1",
+                listener.port,
+                5,
+                security.get_connection_args("worker")["ssl_context"],
+                secret,
+                local=local,
+                segments=segments,
+            )
+            replies: queue.Queue[object] = queue.Queue()
+            connection.serve(hub, _wire.messages(connection, replies_to(replies)), replies.put)
+            try:
+                assert family(connection) == expected
+                connection.send(_wire.CALL, 1, *_wire.dumps(np.ones(2 * MB)))
+                assert np.array_equal(_wire.loads(replies.get(timeout=30)), np.ones(2 * MB))
+            finally:
+                connection.close()
     finally:
         listener.close()
         hub.close()
+        segments.close()
 
 
 def test_a_receiver_keeps_its_arrays_after_the_sender_closes(pair):
@@ -173,6 +207,45 @@ def test_a_receiver_keeps_its_arrays_after_the_sender_closes(pair):
     caller.close()
     assert not caller.segments._busy  # the sender takes its segments back at once
     assert np.array_equal(kept, sent)  # the receiver's mapping stays valid
+
+
+def test_a_release_that_cannot_be_written_breaks_its_own_connection_only(monkeypatch):
+    # The receiver maps a segment of the sender's; the sender's end stops
+    # reading; the receiver drops the array, and its RELEASE meets a broken
+    # pipe in the hub's thread. That error once escaped the thread (and
+    # stopped it): now it closes that connection, whose calls then settle.
+    escaped: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)
+    hub = _wire.Hub(name="aiopar-rpc-io-test")
+    pools = SegmentPool(), SegmentPool()
+    ours, theirs = socket.socketpair()
+    sender = _wire.Connection(ours, None, pools[0])
+    receiver = _wire.Connection(theirs, None, pools[1])
+    arrived: queue.Queue[object] = queue.Queue()
+    broke: queue.Queue[BaseException] = queue.Queue()
+    receiver.serve(hub, _wire.messages(receiver, lambda c, k, i, f: arrived.put(f)), broke.put)
+    try:
+        sender.send(_wire.VALUE, 1, *_wire.dumps(np.ones(2 * MB, dtype=np.uint8)))
+        array = _wire.loads(arrived.get(timeout=10))
+        assert int(array.sum()) == 2 * MB
+        ours.shutdown(socket.SHUT_RD)  # a write to it now fails: EPIPE
+        del array  # unmapped: the hub writes the RELEASE
+        assert isinstance(broke.get(timeout=10), _wire.ConnectionClosed)
+        # The hub still reads the other connections.
+        left, right = socket.socketpair()
+        other = _wire.Connection(right, None)
+        got: queue.Queue[object] = queue.Queue()
+        other.serve(hub, _wire.messages(other, lambda c, k, i, f: got.put(_wire.loads(f))), got.put)
+        _wire.Connection(left, None).send(_wire.CALL, 2, *_wire.dumps("still read"))
+        assert got.get(timeout=10) == "still read"
+        other.close()
+    finally:
+        sender.close()
+        receiver.close()
+        hub.close()
+        for pool in pools:
+            pool.close()
+    assert escaped == []
 
 
 def read_to_end(sock: socket.socket) -> bytes:

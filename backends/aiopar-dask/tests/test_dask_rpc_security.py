@@ -1,9 +1,12 @@
 """What a local process that is not a peer can do to an aiopar.rpc cluster, found by trying.
 
 Each claim of docs/distributed.md's Security section is tried here: a
-stranger writes a call to a peer's rpc port, holds a connection open without
-a word, uses the dask scheduler, and opens the HTTP pages. Each payload would
-create a marker file; the cluster runs in a child process with a timeout.
+stranger writes a call to a peer's rpc port and Unix socket, holds a
+connection open without a word, uses the dask scheduler, and opens the HTTP
+pages, against the default cluster (TLS with certificates made at
+start-up), one with the user's own TLS, and one without TLS
+(``security=False``). Each payload would create a marker file; the cluster
+runs in a child process with a timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dask_helpers import run_python
 pytestmark = pytest.mark.timeout(180)
 
 # The cluster's side: start it, report what a stranger could reach, wait for
-# the stranger (this test) to finish, leave. {tls} picks dask's TLS.
+# the stranger (this test) to finish, leave. argv[1] picks its security:
+# "default" (none given), "tls" (the user's own), "plain" (security=False).
 CLUSTER = """
     import json, sys, time
     import distributed
@@ -33,10 +37,13 @@ CLUSTER = """
     import aiopar_dask._wire.handshake
 
     aiopar_dask._wire.handshake.HANDSHAKE_TIMEOUT = 0.5  # this process's listener: worker0's
-    security = distributed.Security.temporary() if sys.argv[1] == "tls" else None
+    given = {"default": None, "plain": False}.get(sys.argv[1])
+    if sys.argv[1] == "tls":
+        given = distributed.Security.temporary()
     rpc.init_rpc("worker0", world_size=2,
-                 rpc_backend_options=rpc.RpcBackendOptions(security=security))
+                 rpc_backend_options=rpc.RpcBackendOptions(security=given))
     agent = rpc.agent.current_agent()
+    security = agent.cluster.security
 
     def rpc_port():
         return distributed.get_worker().rpc_agent.port
@@ -46,7 +53,7 @@ CLUSTER = """
 
     scheduler = agent.cluster.scheduler
     health = None
-    if security is not None:  # a client with the cluster's certificate gets the pages
+    if security.require_encryption:  # a client with the cluster's certificate gets the pages
         import ssl, urllib.request
         context = security.get_connection_args("client")["ssl_context"]
         context.check_hostname = False
@@ -137,8 +144,9 @@ def cluster():
         assert "done" in out, err
 
 
-def test_a_stranger_cannot_call_a_peer(cluster, tmp_path):
-    ports = cluster("plain")
+@pytest.mark.parametrize("kind", ["plain", "default"])
+def test_a_stranger_cannot_call_a_peer(cluster, tmp_path, kind):
+    ports = cluster(kind)
     marker = tmp_path / "ran"
     message = call_message((pathlib.Path.touch, (marker,), {}))
     assert reply_to(message, ports["worker1"]) == b""  # closed unread, no reply
@@ -159,20 +167,22 @@ def test_a_stranger_that_says_nothing_is_dropped(cluster):
 
 
 def test_without_tls_a_stranger_can_use_the_dask_scheduler(cluster, tmp_path):
-    # What the docs say holds by default: the rpc wire is closed, dask's scheduler is not.
+    # What the docs say of security=False: the rpc wire is closed, dask's scheduler is not.
     ports = cluster("plain")
     marker = tmp_path / "ran"
     done = run_python(STRANGER_CLIENT, str(ports["scheduler"]), str(marker), timeout=60)
     assert marker.exists(), done.stdout + done.stderr
 
 
-def test_with_tls_a_stranger_can_do_nothing(cluster, tmp_path):
+@pytest.mark.parametrize("kind", ["default", "tls"])
+def test_with_tls_a_stranger_can_do_nothing(cluster, tmp_path, kind):
     pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
     import ssl
     import urllib.request
 
-    ports = cluster("tls")
+    ports = cluster(kind)
     assert ports["health"] == "ok"
+    assert str(ports["scheduler"]).startswith("tls://")
     marker = tmp_path / "ran"
     done = run_python(STRANGER_CLIENT, str(ports["scheduler"]), str(marker), timeout=60)
     assert not marker.exists(), done.stdout

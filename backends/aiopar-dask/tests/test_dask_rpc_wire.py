@@ -56,6 +56,83 @@ def test_whatever_a_reply_holds_its_call_settles():
     ], done.stderr
 
 
+def test_data_never_raises_system_exit_or_keyboard_interrupt_in_another_process():
+    # What unpickling raises is the data's: a SystemExit there once ended the
+    # caller silently (an argument that raised it on the callee came back as
+    # itself). A result that raises SystemExit: see the test above.
+    script = """
+        import sys
+        from aiopar import rpc
+
+        def interrupt():
+            raise KeyboardInterrupt("raised by the data")
+
+        class Raises:
+            def __init__(self, how):
+                self.how = how
+
+            def __reduce__(self):
+                return (sys.exit, (8,)) if self.how == "exit" else (interrupt, ())
+
+        def unpickling_raised(name, fn, *args):
+            try:
+                rpc.rpc_sync("worker1", fn, args=args, timeout=30)
+            except TypeError as exc:
+                said = f"{exc} {type(exc.__cause__).__name__}"
+                return "cannot be unpickled" in said and name in said
+
+        rpc.init_rpc("worker0", world_size=2)
+        # an argument, unpickled on the callee; then a result, unpickled here
+        print(unpickling_raised("SystemExit", len, Raises("exit")))
+        print(unpickling_raised("KeyboardInterrupt", len, Raises("interrupt")))
+        print(unpickling_raised("KeyboardInterrupt", Raises, "interrupt"))
+        print(rpc.rpc_sync("worker1", len, args=((1, 2),), timeout=30))  # both peers live on
+        rpc.shutdown()
+    """
+    done = run_python(script, timeout=120)
+    assert done.stdout.splitlines() == ["True", "True", "True", "2"], done.stderr
+
+
+def test_a_reply_slow_to_unpickle_delays_its_own_call_only(tmp_path):
+    # Replies were unpickled by the one thread that reads every connection:
+    # while one took 4 s, an instant call with timeout=2 timed out, and one
+    # whose unpickling made a call of its own froze the process's rpc for good.
+    script = """
+        import fractions, os, sys, time
+        from aiopar import rpc
+
+        marker = sys.argv[1]
+
+        def slowly(value):
+            open(marker, "w").close()  # it is being read now
+            time.sleep(4)
+            return value
+
+        class SlowToRead:
+            def __reduce__(self):
+                return (slowly, ("slow",))
+
+        def call_back():
+            return rpc.rpc_sync("worker1", len, args=((1, 2, 3),), timeout=0)
+
+        class CallsWhenRead:
+            def __reduce__(self):
+                return (call_back, ())
+
+        rpc.init_rpc("worker0", world_size=2)
+        slow = rpc.rpc_async("worker1", SlowToRead, timeout=30)
+        while not os.path.exists(marker):  # until its reply is being unpickled here
+            time.sleep(0.01)
+        print(rpc.rpc_sync("worker1", len, args=((1, 2),), timeout=2))  # plain data
+        print(rpc.rpc_sync("worker1", fractions.Fraction, args=(1, 3), timeout=2))  # a class
+        print(rpc.rpc_sync("worker1", CallsWhenRead, timeout=0))  # a call while it is read
+        print(slow.wait())
+        rpc.shutdown()
+    """
+    done = run_python(script, str(tmp_path / "reading"), timeout=120)
+    assert done.stdout.splitlines() == ["2", "1/3", "3", "slow"], done.stderr
+
+
 def test_a_large_send_to_a_frozen_peer_keeps_its_timeout_and_blocks_no_one():
     script = """
         import os, signal

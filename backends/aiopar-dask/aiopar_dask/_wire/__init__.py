@@ -36,11 +36,12 @@ from .framing import messages
 from .handshake import new_secret
 from .hub import Hub
 from .listening import Listener
-from .pickling import dumps, loads
+from .pickling import NOT_PLAIN, dumps, loads, plain
 
 __all__ = [
     "CALL",
     "ERROR",
+    "NOT_PLAIN",
     "VALUE",
     "Connection",
     "ConnectionClosed",
@@ -53,4 +54,5 @@ __all__ = [
     "loads",
     "messages",
     "new_secret",
+    "plain",
 ]

@@ -1,7 +1,8 @@
 """The caller's side of a new connection: reach the peer, shake hands, hand it over.
 
-Peers of one machine talk over an abstract Unix socket when neither uses
-TLS (big buffers then go in shared memory); others over TCP.
+Peers of one machine talk over an abstract Unix socket (big buffers then go
+in shared memory, and nothing is encrypted: no other user of the machine
+can read it); others over TCP, with TLS if the cluster has it.
 """
 
 from __future__ import annotations
@@ -37,18 +38,21 @@ def connect(
     closes the connection meanwhile, and the socket's OSError if it cannot
     be reached. :meth:`Connection.serve` starts reading it.
 
-    Without TLS, a peer that also listens on the Unix socket ``local`` is
-    reached there if it runs on this machine (else nothing listens on that
-    name here), and the connection's big buffers go through ``segments``.
+    A peer that also listens on the Unix socket ``local`` is reached there
+    if it runs on this machine (else nothing listens on that name here),
+    without TLS, and the connection's big buffers go through ``segments``.
     """
     sock = None
-    if local is not None and segments is not None and context is None:
+    if local is not None and segments is not None:
         sock = _connect_local(local, timeout)
+    tls = None
     if sock is None:
         sock = socket.create_connection((host, port), timeout=timeout)
         tune(sock)
+        if context is not None:
+            tls = TlsSession(context, False, host)
     try:
-        dialing = _Dialing(sock, None if context is None else TlsSession(context, False, host))
+        dialing = _Dialing(sock, tls)
         if dialing.tls is not None:
             dialing.tls.handshake(sock)
         handshake.prove_to_listener(dialing, secret, name)

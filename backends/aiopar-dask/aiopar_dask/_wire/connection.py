@@ -258,9 +258,13 @@ class Connection:
             self._hub.call_soon_unlocked(self._send_released_now)
 
     def _send_released_now(self) -> None:
+        """In the hub's thread: send the releases due. A write that fails
+        here shuts the socket down, and the hub then reads its end and
+        reports the connection broken (``on_close``), as for any write."""
         with self._lock:
             if not self._closed and self._failed is None:
-                self._send_released()
+                with contextlib.suppress(ConnectionClosed):
+                    self._send_released()
 
     def _send_released(self) -> None:
         """Queue a RELEASE of the segments unmapped so far, ahead of the next
@@ -365,6 +369,10 @@ class Connection:
     def on_late(self) -> None:
         """The hub: the handshake did not end by the deadline given to :meth:`serve`."""
         self._broken(TimeoutError("the handshake did not end in time"))
+
+    def on_error(self, exc: Exception) -> None:
+        """The hub: a handler raised what none of them should: the connection is done."""
+        self._broken(exc)
 
     def punctual(self) -> None:
         """The handshake is over: no deadline any more."""

@@ -5,12 +5,15 @@ it reads what arrives and hands each message on, accepts new connections
 and runs their handshakes, writes what a sender's non-blocking write left
 over, and closes a connection whose handshake is late. So a peer has the
 same few threads whether it talks to one peer or to a thousand, and no
-thread waits on one socket alone.
+thread waits on one socket alone. Nothing raised in it escapes it: a
+socket whose handler fails is told so (``on_error``) and no longer
+waited on, and the thread goes on with the others.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import selectors
 import socket
 import threading
@@ -20,6 +23,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["Hub", "Pollable"]
+
+_logger = logging.getLogger("aiopar.rpc")
 
 
 class Pollable(Protocol):
@@ -32,6 +37,9 @@ class Pollable(Protocol):
     def on_writable(self) -> None: ...
 
     def on_late(self) -> None: ...
+
+    def on_error(self, exc: Exception) -> None:
+        """One of the handlers above raised ``exc``: the hub waits on it no more."""
 
 
 class Hub:
@@ -106,7 +114,10 @@ class Hub:
             return
         if deadline is not None:
             self._deadlines[target] = deadline
-        target.on_readable()  # what arrived before it was registered
+        try:
+            target.on_readable()  # what arrived before it was registered
+        except Exception as exc:
+            self._failed(target, exc)
 
     def _remove(self, target: Pollable, then: Callable[[], object]) -> None:
         self._deadlines.pop(target, None)
@@ -128,18 +139,21 @@ class Hub:
                         while self._wake_in.recv(4096):
                             pass
                     continue
-                if events & selectors.EVENT_WRITE:
-                    target.on_writable()
-                if events & selectors.EVENT_READ:
-                    target.on_readable()
+                try:
+                    if events & selectors.EVENT_WRITE:
+                        target.on_writable()
+                    if events & selectors.EVENT_READ:
+                        target.on_readable()
+                except Exception as exc:
+                    self._failed(target, exc)
             while calls:  # appended under the lock, taken from here only
                 fn, args = calls.popleft()
-                fn(*args)
+                self._call(fn, args)
             if self._closed:
                 with self._lock:  # no call can come any more
                     left = list(calls)
                 for fn, args in left:
-                    fn(*args)
+                    self._call(fn, args)
                 self._stop()
                 return
             if deadlines:
@@ -147,7 +161,23 @@ class Hub:
                 for target, deadline in list(deadlines.items()):
                     if deadline <= now:
                         del deadlines[target]
-                        target.on_late()
+                        try:
+                            target.on_late()
+                        except Exception as exc:
+                            self._failed(target, exc)
+
+    def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            _logger.exception("%r raised in the rpc wire's thread %r", fn, self._name)
+
+    def _failed(self, target: Pollable, exc: Exception) -> None:
+        _logger.error("a handler of %r raised in the rpc wire's thread", target, exc_info=exc)
+        self._deadlines.pop(target, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(target)
+        self._call(target.on_error, (exc,))
 
     def _stop(self) -> None:
         self._selector.close()

@@ -27,8 +27,11 @@ class Listener:
     connection sends is passed to ``on_message(connection, kind, call_id, frames)``
     in the hub's thread.
 
-    Without TLS and with ``segments``, it also listens on an abstract Unix
-    socket named :attr:`local`, for peers of this machine.
+    With ``segments``, it also listens on an abstract Unix socket named
+    :attr:`local`, for peers of this machine: big buffers go through shared
+    memory there, and its bytes are not encrypted even when the TCP
+    connections are, since no other user of the machine can read a Unix
+    socket (its callers prove the secret all the same).
 
     Nothing a connection sends is unpickled before it has proved it holds
     ``secret``; a connection that does not within
@@ -48,7 +51,7 @@ class Listener:
         sockets = [socket.create_server((host, 0))]
         self.port: int = sockets[0].getsockname()[1]
         self.local: str | None = None
-        if segments is not None and context is None and LOCAL:
+        if segments is not None and LOCAL:
             self.local = f"aiopar-rpc-{uuid.uuid4().hex}"
             sockets.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
             sockets[1].bind("\0" + self.local)
@@ -72,9 +75,11 @@ class Listener:
                 sock, _ = listening.accept()
             except OSError:  # BlockingIOError: none left; else closed
                 return
+            tls = None
             if sock.family != socket.AF_UNIX:
                 tune(sock)
-            tls = None if self._context is None else TlsSession(self._context, True, None)
+                if self._context is not None:
+                    tls = TlsSession(self._context, True, None)
             connection = Connection(sock, tls, self._segments)
             with self._lock:
                 if self._closed:
@@ -133,3 +138,6 @@ class _Accepting:
 
     def on_late(self) -> None:
         pass
+
+    def on_error(self, exc: Exception) -> None:
+        pass  # (logged by the hub) this listening socket accepts no more

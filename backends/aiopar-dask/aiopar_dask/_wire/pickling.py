@@ -1,7 +1,9 @@
 """What a message carries: an object as a pickle (protocol 5) and its out-of-band buffers.
 
 An array's data travels as a buffer of its own beside the pickle, so it is
-written and read without a copy.
+written and read without a copy. Unpickling runs whatever code the pickle
+names (a class's ``__setstate__``, a ``__reduce__``'s function): a thread
+that must not wait on it reads only :func:`plain` data, which names none.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from aiopar.rpc import RRef
 
 from .core import Frames
 
-__all__ = ["dumps", "loads"]
+__all__ = ["NOT_PLAIN", "dumps", "loads", "plain"]
 
 _MAIN = re.compile(rb"__main__")
+_PLAIN_MOST = 1 << 16  # bytes of plain data read at once: a millisecond's work at most
+
+NOT_PLAIN: Any = object()  # what plain() returns for anything else
 
 
 def dumps(obj: Any) -> tuple[Frames, list[bool]]:
@@ -52,9 +57,31 @@ def loads(frames: Frames) -> Any:
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
+def plain(frames: Frames) -> Any:
+    """The object of these frames if it is small plain data: built-in
+    values and containers only (None, numbers, strings, bytes, lists,
+    tuples, dicts, sets), at most 64 KiB, no out-of-band buffer. Nothing in
+    such a pickle names a class or a function, so reading it runs no code
+    but the unpickler's own, and takes a millisecond at most. Else
+    :data:`NOT_PLAIN`, without having run anything of it."""
+    if len(frames) > 1 or len(frames[0]) > _PLAIN_MOST:
+        return NOT_PLAIN
+    try:
+        return _PlainUnpickler(io.BytesIO(frames[0])).load()
+    except Exception:  # it names something, or it is no pickle: loads() says which
+        return NOT_PLAIN
+
+
 def _not_in_plain_pickle(obj: object) -> Any:
     raise pickle.PicklingError(f"{type(obj).__name__} is pickled once, by cloudpickle")
 
 
 class _PlainPickler(pickle.Pickler):
     dispatch_table = {**copyreg.dispatch_table, RRef: _not_in_plain_pickle}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Refuses every global: the one way for a pickle to reach code to run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
