@@ -110,7 +110,32 @@ def exited(pid: int) -> bool:
         return True
 
 
+class FileGate:
+    """A gate that tasks in worker processes wait at (:func:`until_opened`)
+    until the test opens it: a file that appears."""
+
+    def __init__(self, path: os.PathLike[str] | str) -> None:
+        self.path = os.fspath(path)
+
+    def open(self, *_: object) -> None:
+        """Open the gate; the arguments of a done-callback are ignored."""
+        with open(self.path, "w"):
+            pass
+
+
 # -- helpers that run in workers ---------------------------------------------
+
+
+def until_opened(gate: str, value=None):
+    """Run until the :class:`FileGate` at path ``gate`` is open; return ``value``."""
+    while not os.path.exists(gate):
+        time.sleep(0.005)
+    return value
+
+
+def die_once_opened(gate: str):
+    until_opened(gate)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def add(a, b=0):

@@ -14,7 +14,7 @@ import traceback
 
 import anyio
 import pytest
-from helpers import run_python
+from helpers import eventually, run_python
 
 import aiopar
 from aiopar.backends.thread import COMPENSATION_LIMIT, ThreadBackend
@@ -47,8 +47,9 @@ def test_a_callback_that_waits_works_wherever_it_runs():
 
 
 def test_a_callback_in_a_worker_can_fork_and_wait(pool):
-    first = pool.fork(time.sleep, 0.05)
+    first: aiopar.Future[None] = aiopar.Future()
     chained = first.then(lambda _: pool.fork(sum, range(10)).wait() + pool.fork(int, "5").wait())
+    pool.fork(first.set_result, None)  # a worker settles it, and runs the callback
     assert chained.wait(timeout=10) == 50
 
 
@@ -63,13 +64,14 @@ def test_anything_a_callback_raises_is_logged_and_the_worker_goes_on(pool, caplo
             raise exc
 
         with caplog.at_level(logging.ERROR, logger="aiopar"):
-            one_worker.fork(time.sleep, 0.01).add_done_callback(raise_it)
+            settled: aiopar.Future[None] = aiopar.Future()
+            settled.add_done_callback(raise_it)
+            one_worker.fork(settled.set_result, None)
             # The only worker settled that future and ran the callback: it must
-            # still run tasks, for timed waits and for awaits.
+            # still run tasks, for timed waits, and be woken again once idle.
             assert one_worker.fork(int, "7").wait(timeout=5) == 7
-            fut = one_worker.fork(time.sleep, 0.01)
-            time.sleep(0.005)
-            assert fut.wait(timeout=5) is None
+            eventually(lambda: len(one_worker._idle) == len(one_worker._workers))
+            assert one_worker.fork(int, "8").wait(timeout=5) == 8
         assert any(type(exc).__name__ in r.getMessage() or r.exc_info for r in caplog.records)
     finally:
         one_worker.shutdown(wait=True)
@@ -243,19 +245,20 @@ def test_compensation_is_bounded_and_every_blocked_task_still_finishes(pool):
 
 def test_a_thread_that_cannot_start_leaves_the_pool_counting_right(pool, monkeypatch):
     gate: aiopar.Future[None] = aiopar.Future()
-    started = 0
+    started = refused = 0
     start = threading.Thread.start
 
     def limited_start(self):
-        nonlocal started
+        nonlocal started, refused
         if self.name.startswith("aiopar-") and started >= 3:
+            refused += 1
             raise RuntimeError("can't start new thread")
         started += 1
         start(self)
 
     monkeypatch.setattr(threading.Thread, "start", limited_start)
     futs = [pool.fork(gate.wait) for _ in range(30)]
-    time.sleep(0.2)
+    eventually(lambda: refused)  # the pool has tried to add a thread, and failed
     gate.set_result(None)
     for fut in futs:
         assert fut.wait(timeout=10) is None
@@ -416,11 +419,13 @@ def test_a_timeout_that_is_not_a_number_gets_a_clear_type_error(timeout):
 def test_ctrl_c_while_the_main_thread_runs_a_stolen_task_is_raised_there():
     done = run_python(
         """
-        import _thread, threading, time, aiopar
+        import signal, threading, time, aiopar
 
         def task():
-            threading.Timer(0.2, _thread.interrupt_main).start()
-            time.sleep(5)
+            # Ctrl-C, as a terminal sends it, while the main thread sleeps in the task
+            main = threading.main_thread().ident
+            threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+            time.sleep(60)
             return "finished"
 
         fut = aiopar.fork(task)

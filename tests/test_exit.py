@@ -80,21 +80,25 @@ def test_exit_runs_a_coroutine_fork_that_is_on_the_loop_but_has_not_started():
         import asyncio, threading, time, aiopar
 
         loop_of = {}
-        blocking = threading.Event()
+        blocking, exiting = threading.Event(), threading.Event()
+
+        # Registered after aiopar's own exit hook, so called before it.
+        threading._register_atexit(exiting.set)
 
         async def block_the_loop(seconds):
             loop_of["owned"] = asyncio.get_running_loop()
             blocking.set()
             time.sleep(seconds)  # nothing else on the loop runs meanwhile
 
+        aiopar.fork(block_the_loop, 0.1)
+        blocking.wait()
+
         async def step():
             print("ran", flush=True)
 
-        aiopar.fork(block_the_loop, 0.1)
-        blocking.wait()
         aiopar.fork(step)  # its task is made once the loop is free...
-        loop_of["owned"].call_soon_threadsafe(time.sleep, 1.0)  # ...and waits behind this
-        time.sleep(0.5)  # exit while it waits
+        loop_of["owned"].call_soon_threadsafe(exiting.wait, 10)  # ...and waits behind this
+        # exit while it waits
         """,
         timeout=30,
     )
@@ -202,12 +206,14 @@ def test_a_second_ctrl_c_exits_without_waiting():
 
         fut = aiopar.fork(task)
         fut2 = aiopar.fork(task)
+        print("waiting", flush=True)
         fut.wait()
         """
     )
     try:
-        wait_for_line(proc, "running")
-        time.sleep(0.2)
+        out = wait_for_line(proc, "waiting")
+        while out.count("running") < 2:  # both workers run a task
+            out += wait_for_line(proc, "running")
         proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 20
         while "aiopar: waiting for" not in proc.stderr.readline():  # after the traceback

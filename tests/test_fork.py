@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from future_helpers import fork_running_until_waited_on
 
 import aiopar
 from aiopar import CancelledError, Future
@@ -152,9 +153,9 @@ def test_cancel_running_or_finished_is_false():
 
 
 def test_wait_on_started_task_blocks_until_done():
-    fut = aiopar.fork(time.sleep, 0.05)
-    time.sleep(0.01)
+    fut = fork_running_until_waited_on(then_sleep=0.01)
     assert fut.wait() is None
+    assert fut.done()
 
 
 def test_then_on_forked_future(backend):

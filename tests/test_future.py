@@ -11,6 +11,7 @@ import traceback
 
 import cloudpickle
 import pytest
+from helpers import eventually
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -249,7 +250,7 @@ def test_many_threads_wait_on_one_future():
     threads = [threading.Thread(target=lambda: results.append(fut.wait())) for _ in range(16)]
     for t in threads:
         t.start()
-    time.sleep(0.02)
+    eventually(lambda: len(fut._waiters or ()) == 16)  # all of them block in wait
     fut.set_result(5)
     for t in threads:
         t.join(timeout=5)

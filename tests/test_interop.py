@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import trio
 import uvloop
-from helpers import run_python
+from helpers import eventually, run_python
 
 import aiopar
 from aiopar import CancelledError, Future
@@ -426,7 +426,7 @@ def test_concurrent_wait_and_a_blocked_thread_wait_on_one_future():
     results: list[int] = []
     blocked = threading.Thread(target=lambda: results.append(fut.wait(LIMIT)))
     blocked.start()
-    time.sleep(0.01)  # let it block first, so both kinds of waiter are registered
+    eventually(lambda: fut._waiters)  # it blocks first, so both kinds of waiter are registered
     settle_later(fut, 5)
     done, _ = concurrent.futures.wait([fut], timeout=LIMIT)
     blocked.join(LIMIT)

@@ -86,10 +86,11 @@ def test_a_task_gets_every_intra_op_thread_while_its_forker_goes_on(lane):
 
 def test_parallel_for_inside_a_task_uses_the_helpers(lane):
     threads = set()
+    both = threading.Barrier(2, timeout=10)  # the two chunks run at once
 
     def fn(b, e):
         threads.add(threading.get_ident())
-        time.sleep(0.02)
+        both.wait()
 
     aiopar.set_num_threads(2)
     lane.fork(aiopar.parallel_for, 0, 2, 1, fn).wait()

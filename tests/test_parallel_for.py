@@ -76,10 +76,11 @@ def test_elementwise_numpy_matches_a_single_call():
 
 def test_the_caller_runs_chunks_beside_the_helpers():
     threads = set()
+    both = threading.Barrier(2, timeout=10)  # the two chunks run at once
 
     def fn(b, e):
         threads.add(threading.get_ident())
-        time.sleep(0.02)
+        both.wait()
 
     aiopar.parallel_for(0, 2, 1, fn)
     assert threading.get_ident() in threads
@@ -183,9 +184,12 @@ def test_chunks_count_against_the_thread_budget():
     aiopar.set_num_threads(None)
     inside = []
 
+    both = threading.Barrier(2, timeout=10)  # the two chunks count at once
+
     def fn(b, e):
+        both.wait()
         inside.append([lib["num_threads"] for lib in threadpool_info()])
-        time.sleep(0.01)
+        both.wait()
 
     aiopar.parallel_for(0, 2, 1, fn)
     share = max(1, cores() // 2)

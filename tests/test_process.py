@@ -24,8 +24,10 @@ import process_helpers
 import pytest
 from helpers import eventually
 from process_helpers import (
+    FileGate,
     Scaler,
     add,
+    die_once_opened,
     double,
     echo,
     explicit_process_fork,
@@ -35,7 +37,7 @@ from process_helpers import (
     return_lock,
     run_script,
     sleep_then,
-    sleep_then_die,
+    until_opened,
 )
 
 import aiopar
@@ -355,12 +357,14 @@ def test_prefetch_adapts_to_task_length(own_pool):
     assert backend._pool.prefetch_depth() == 1  # 10 ms tasks: one
 
 
-def test_deeply_prefetched_tasks_survive_a_crash(own_pool):
+def test_deeply_prefetched_tasks_survive_a_crash(own_pool, tmp_path):
     backend = own_pool(1)
     aiopar.wait_all([backend.fork(add, i) for i in range(200)])
-    doomed = backend.fork(sleep_then_die, 0.3)
+    gate = FileGate(tmp_path / "gate")
+    doomed = backend.fork(die_once_opened, gate.path)
     queued = [backend.fork(add, i, 1) for i in range(40)]
     assert len(backend._pool.workers[0].inflight) > 2  # prefetched behind the doomed task
+    gate.open()
     with pytest.raises(aiopar.BrokenWorkerError, match="SIGKILL"):
         doomed.wait(timeout=30)
     assert [f.wait(timeout=30) for f in queued] == [i + 1 for i in range(40)]
@@ -377,9 +381,12 @@ def test_big_values_without_buffers_take_the_socket(pool):
 
 
 @pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt, asyncio.CancelledError])
-def test_any_exception_from_a_callback_is_logged_and_the_pool_lives_on(own_pool, caplog, exc_type):
+def test_any_exception_from_a_callback_is_logged_and_the_pool_lives_on(
+    own_pool, caplog, tmp_path, exc_type
+):
     backend = own_pool(1)
-    fut = backend.fork(sleep_then, 0.2, "value")
+    gate = FileGate(tmp_path / "gate")
+    fut = backend.fork(until_opened, gate.path, "value")
     ran = []
 
     def callback(f):
@@ -387,6 +394,7 @@ def test_any_exception_from_a_callback_is_logged_and_the_pool_lives_on(own_pool,
         raise exc_type("raised by a done-callback")
 
     fut.add_done_callback(callback)  # before the task ends: it runs in the manager thread
+    gate.open()
     with caplog.at_level(logging.ERROR, logger="aiopar"):
         assert fut.wait(timeout=30) == "value"
         eventually(lambda: ran == ["value"] and exc_type.__name__ in caplog.text)

@@ -10,12 +10,14 @@ import process_helpers
 import pytest
 from helpers import eventually
 from process_helpers import (
+    FileGate,
     die_on,
     fail_on_three,
     lock_on_three,
     sleep_then,
     square,
     touch_and_return,
+    until_opened,
 )
 
 import aiopar
@@ -75,14 +77,18 @@ def test_items_that_do_not_pickle_fail_at_map(pool):
 
 def test_an_item_cancelled_before_its_chunk_is_sent_is_skipped(own_pool, tmp_path):
     backend = own_pool(1, prefetch=0)
-    running = backend.fork(sleep_then, 0.3, "first")
+    gate = FileGate(tmp_path / "gate")
+    items = tmp_path / "items"
+    items.mkdir()
+    running = backend.fork(until_opened, gate.path, "first")  # holds the one worker
     eventually(running.running)
-    futures = backend.map(touch_and_return, [str(tmp_path)] * 4, range(4), chunksize=4)
+    futures = backend.map(touch_and_return, [str(items)] * 4, range(4), chunksize=4)
     assert futures[2].cancel()
+    gate.open()
     assert running.wait(timeout=30) == "first"
     assert [f.wait(timeout=30) for i, f in enumerate(futures) if i != 2] == [0, 1, 3]
     assert futures[2].cancelled()
-    assert sorted(os.listdir(tmp_path)) == ["0", "1", "3"]  # item 2 never ran
+    assert sorted(os.listdir(items)) == ["0", "1", "3"]  # item 2 never ran
 
 
 def test_a_sent_chunk_can_no_longer_be_cancelled(own_pool):
@@ -93,11 +99,13 @@ def test_a_sent_chunk_can_no_longer_be_cancelled(own_pool):
     assert aiopar.wait_all(futures) == ["a", "b"]
 
 
-def test_shutdown_that_cancels_the_queue_cancels_a_queued_chunk_s_items(own_pool):
+def test_shutdown_that_cancels_the_queue_cancels_a_queued_chunk_s_items(own_pool, tmp_path):
     backend = own_pool(1, prefetch=0)
-    running = backend.fork(sleep_then, 0.3, "ran")
+    gate = FileGate(tmp_path / "gate")
+    running = backend.fork(until_opened, gate.path, "ran")
     eventually(running.running)
     queued = backend.map(square, range(10), chunksize=5)
+    queued[-1].add_done_callback(gate.open)  # the task ends once shutdown has cancelled them
     backend.shutdown(cancel_pending=True)
     assert running.value() == "ran"
     assert all(f.cancelled() for f in queued)

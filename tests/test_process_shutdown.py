@@ -16,7 +16,15 @@ import time
 import process_helpers
 import pytest
 from helpers import eventually
-from process_helpers import add, exited, run_script, script_env, sleep_then
+from process_helpers import (
+    FileGate,
+    add,
+    exited,
+    run_script,
+    script_env,
+    sleep_then,
+    until_opened,
+)
 
 import aiopar
 from aiopar.backends.process import ProcessBackend
@@ -30,26 +38,30 @@ own_pool = process_helpers.own_pool
 # -- cancel and shutdown ---------------------------------------------------------
 
 
-def test_cancel_before_sent(own_pool):
+def test_cancel_before_sent(own_pool, tmp_path):
     backend = own_pool(1, prefetch=0)
-    running = backend.fork(sleep_then, 0.5, "first")
+    gate = FileGate(tmp_path / "gate")
+    running = backend.fork(until_opened, gate.path, "first")
     queued = backend.fork(add, 1)
     assert queued.cancel()
     assert queued.cancelled()
     with pytest.raises(aiopar.CancelledError):
         queued.wait()
+    gate.open()
     assert running.wait() == "first"
     assert not running.cancel()
 
 
-def test_prefetched_task_is_no_longer_cancellable(own_pool):
+def test_prefetched_task_is_no_longer_cancellable(own_pool, tmp_path):
     backend = own_pool(1, prefetch=1)
-    running = backend.fork(sleep_then, 0.3, "first")
+    gate = FileGate(tmp_path / "gate")
+    running = backend.fork(until_opened, gate.path, "first")
     eventually(running.running)
     prefetched = backend.fork(add, 1)
     queued = backend.fork(add, 2)
     assert not prefetched.cancel()
     assert queued.cancel()
+    gate.open()
     assert running.wait() == "first" and prefetched.wait() == 1
 
 
@@ -63,11 +75,13 @@ def test_shutdown_runs_what_was_queued(own_pool):
         backend.fork(add, 1)
 
 
-def test_shutdown_cancel_pending(own_pool):
+def test_shutdown_cancel_pending(own_pool, tmp_path):
     backend = own_pool(1, prefetch=0)
-    running = backend.fork(sleep_then, 0.3, "ran")
+    gate = FileGate(tmp_path / "gate")
+    running = backend.fork(until_opened, gate.path, "ran")
     eventually(running.running)
     queued = [backend.fork(add, i) for i in range(5)]
+    queued[-1].add_done_callback(gate.open)  # the task ends once shutdown has cancelled them
     backend.shutdown(wait=True, cancel_pending=True)
     assert running.value() == "ran"
     assert all(f.cancelled() for f in queued)
@@ -340,14 +354,16 @@ def test_a_forked_child_gets_a_fresh_pool(tmp_path):
     assert done.stdout.strip() == "ok"
 
 
-def test_running_tasks_names_what_the_workers_run(own_pool):
+def test_running_tasks_names_what_the_workers_run(own_pool, tmp_path):
     # What interpreter exit reports it waits for, and the only case where
     # its wait is worth a warning (idle workers may just be slow to exit).
     backend = own_pool(1, prefetch=0)
     assert backend.running_tasks() == []
-    running = backend.fork(sleep_then, 0.3, "done")
+    gate = FileGate(tmp_path / "gate")
+    running = backend.fork(until_opened, gate.path, "done")
     queued = backend.fork(add, 1)
     eventually(running.running)
-    assert backend.running_tasks() == ["sleep_then"]
+    assert backend.running_tasks() == ["until_opened"]
+    gate.open()
     assert running.wait(timeout=30) == "done" and queued.wait(timeout=30) == 1
     assert backend.running_tasks() == []

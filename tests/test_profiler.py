@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import anyio
 import pytest
+from future_helpers import fork_running_until_waited_on
 from helpers import run_python
 
 import aiopar
@@ -118,27 +119,19 @@ def test_parent_survives_a_stolen_child(thread_backend):
 
 
 def test_blocked_time_is_counted_when_a_wait_blocks(thread_backend):
-    started = threading.Event()
-
-    def slow() -> None:
-        started.set()
-        time.sleep(0.05)
-
     def waits_for_slow() -> None:
-        fut = aiopar.fork(slow)
-        started.wait()  # slow is running, so the wait below blocks
-        fut.wait()
+        fork_running_until_waited_on(then_sleep=0.03).wait()  # it blocks 30 ms at least
 
     with profile() as prof:
         aiopar.fork(waits_for_slow).wait()
     [waiter] = by_name(
         prof, "test_blocked_time_is_counted_when_a_wait_blocks.<locals>.waits_for_slow"
     )
-    assert waiter.blocked_ns >= 20_000_000
+    assert waiter.blocked_ns >= 30_000_000
     [stats] = [s for s in prof.stats() if s.name == waiter.name]
-    assert stats.blocked >= 0.02
+    assert stats.blocked >= 0.03
     waits = [e for e in prof.chrome_trace()["traceEvents"] if e["name"] == "wait"]
-    assert any("slow" in e["args"].get("waiting_for", "") for e in waits)
+    assert any("lasts_until_waited_on" in e["args"].get("waiting_for", "") for e in waits)
 
 
 def test_nested_profiles_each_record_what_was_forked_while_open(thread_backend):
@@ -475,11 +468,8 @@ def forks_everything() -> tuple[int, int]:
 
 
 def waits_for_a_running_fork() -> None:
-    """Run in a worker process: block in wait there for a while."""
-    slow = aiopar.fork(time.sleep, 0.05)
-    while not (slow.running() or slow.done()):
-        time.sleep(0.001)
-    slow.wait()
+    """Run in a worker process: block in wait there for 10 ms at least."""
+    fork_running_until_waited_on(then_sleep=0.01).wait()
 
 
 def test_forks_inside_a_worker_process_land_on_its_rows(process_pool):
@@ -523,7 +513,7 @@ def test_waits_inside_a_worker_process_count_for_its_task(process_pool):
     waits = [e for e in prof.chrome_trace()["traceEvents"] if e["name"] == "wait"]
     [in_worker] = [e for e in waits if e["pid"] == task.worker.pid]
     assert in_worker["tid"] == task.worker.tid
-    assert in_worker["args"]["waiting_for"] == f"#{slow.id} sleep"
+    assert in_worker["args"]["waiting_for"] == f"#{slow.id} {slow.name}"
     assert in_worker["dur"] * 1000 <= task.blocked_ns + 1000
 
 

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np  # noqa: F401 - loads the BLAS threadpoolctl should see
 import pytest
 from budget_helpers import late, once_alone, settle
+from future_helpers import fork_running_until_waited_on
 from helpers import eventually, python, run_python
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import aiopar
 from aiopar import _budget, _budget_slots
 from aiopar._budget import budget, cores
+from aiopar.backends import Backend
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
 
@@ -469,21 +473,37 @@ def count_blas_changes(monkeypatch) -> list[int]:
     return changes
 
 
+@contextlib.contextmanager
+def forking_and_waiting_at_once(monkeypatch) -> Iterator[tuple[Backend, list[float]]]:
+    """A one-worker pool, and the budget's time standing still until the test
+    moves it (``now[0] += s``), once this thread has shown the budget that it
+    forks and waits at once: every wait is "at once" (rule 3's window),
+    however loaded the machine. One worker: a second one, woken while the
+    first was still in its spell of work (likely on a busy machine), would
+    count beside it for a moment."""
+    clock = _budget.clock
+    pool = aiopar.get_backend("thread", max_workers=1)
+    now = [clock()]
+    monkeypatch.setattr(_budget, "clock", lambda: now[0])
+    try:
+        pool.fork(int).wait()  # the worker started, and the budget learned
+        now[0] += 1.0  # rule 4's come-back is due
+        settle()
+        yield pool, now
+    finally:
+        monkeypatch.setattr(_budget, "clock", clock)
+
+
 def test_a_fork_its_forker_waits_for_at_once_changes_blas_at_most_twice_in_100(monkeypatch):
     def work():
         return sum(range(100))
 
-    aiopar.fork(work).wait()  # workers started
-    settle()
-    # Time stands still while it forks and waits: every wait is "at once"
-    # (rule 3's window), however loaded the machine.
-    now = [_budget.clock()]
-    monkeypatch.setattr(_budget, "clock", lambda: now[0])
-    changes = count_blas_changes(monkeypatch)
-    for _ in range(100):
-        aiopar.fork(work).wait()
-    now[0] += 1.0  # then rule 4's come-back is due
-    settle()
+    with forking_and_waiting_at_once(monkeypatch) as (pool, now):
+        changes = count_blas_changes(monkeypatch)
+        for _ in range(100):
+            pool.fork(work).wait()
+        now[0] += 1.0
+        settle()
     assert len(changes) <= 2, changes
 
 
@@ -626,9 +646,12 @@ def test_a_callback_that_blocks_in_a_worker_after_its_task_leaves_the_budget_who
     # A done-callback runs in the worker that settled the future, after its
     # task has stopped counting: blocking there must not give back a share
     # the worker no longer holds.
-    slow = aiopar.fork(time.sleep, 0.3)
-    quick = aiopar.fork(int, "1")
-    assert quick.then(lambda _: slow.wait()).wait(timeout=10) is None
+    slow = fork_running_until_waited_on()
+    gate = threading.Event()
+    quick = aiopar.fork(gate.wait, 10)
+    blocks = quick.then(lambda _: slow.wait())  # attached before a worker settles quick
+    gate.set()
+    assert blocks.wait(timeout=10) is None
     settle()
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
@@ -816,10 +839,12 @@ def test_a_held_library_is_looked_at_again_only_now_and_then(monkeypatch):
     with threadpool_limits(limits=1, user_api="blas"):
         run_together(2, seen)  # the budget finds BLAS held
         assert budget.held
-        changes = count_blas_changes(monkeypatch)
-        for _ in range(100):
-            aiopar.fork(int, "1").wait()
-        settle()
+        with forking_and_waiting_at_once(monkeypatch) as (pool, now):
+            changes = count_blas_changes(monkeypatch)
+            for _ in range(100):
+                pool.fork(int, "1").wait()
+            now[0] += 1.0  # rule 4's come-back is due, not yet rule 5's next look
+            settle()
         assert len(changes) <= 2, changes
     run_together(2, seen)
     assert not budget.held
