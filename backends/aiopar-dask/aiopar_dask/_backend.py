@@ -224,7 +224,7 @@ class DaskBackend(Backend):
         client = self._client_to_send()
         futures: list[aiopar.Future[Any]] = [aiopar.Future() for _ in items]
         # four chunks per worker, as Backend.map picks them
-        size = chunksize or max(1, -(-len(items) // (4 * self.max_workers)))
+        size = chunksize or max(1, -(-len(items) // (4 * max(1, self.max_workers))))
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         for start in range(0, len(items), size):
             chunk = Chunk(self._new_key(name), futures[start : start + size])

@@ -263,6 +263,22 @@ def test_map_fails_an_item_alone_and_stops_a_chunk_at_a_base_exception(procs):
     assert [futures[x].wait() for x in (10, 12, 16, 18)] == [10, 12, 16, 18]
 
 
+def test_map_on_a_cluster_with_no_worker_yet_returns_its_futures():
+    # The default chunk size divided by the workers there are: none, at first.
+    with (
+        loopback_cluster(n_workers=0) as cluster,
+        distributed.Client(cluster, set_as_default=False) as client,
+    ):
+        backend = DaskBackend(client=client)
+        try:
+            futures = backend.map(double, range(4))
+            assert not any(future.done() for future in futures)
+            cluster.scale(1)
+            assert [future.wait(timeout=30) for future in futures] == [0, 2, 4, 6]
+        finally:
+            backend.shutdown()
+
+
 def test_map_of_a_coroutine_function_forks_each_item(procs):
     assert aiopar.wait_all(procs.map(on_worker_loop, [1, 2])) == [(2, True), (3, True)]
 
