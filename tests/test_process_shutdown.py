@@ -288,6 +288,7 @@ def test_a_forked_child_gets_a_fresh_pool(tmp_path):
         import multiprocessing, os, time, traceback
         import numpy as np
         import aiopar
+        from process_helpers import FileGate, until_opened
 
         backend = aiopar.get_backend("process", max_workers=2)
         parent_workers = set(aiopar.wait_all([backend.fork(os.getpid) for _ in range(4)]))
@@ -329,19 +330,23 @@ def test_a_forked_child_gets_a_fresh_pool(tmp_path):
                 traceback.print_exc()
                 os._exit(1)
 
-        pending = backend.fork(time.sleep, 2)
+        gate = FileGate("os.fork")  # the task runs until the child is done
+        pending = backend.fork(until_opened, gate.path)
         pid = os.fork()
         if pid == 0:
             run_child()
             os._exit(0)
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "os.fork child failed"
+        gate.open()
         assert pending.wait(timeout=30) is None  # the parent's copy is unharmed
 
-        pending = backend.fork(time.sleep, 2)
+        gate = FileGate("multiprocessing")
+        pending = backend.fork(until_opened, gate.path)
         process = multiprocessing.get_context("fork").Process(target=run_child)
         process.start()
         process.join(60)
         assert process.exitcode == 0, f"multiprocessing child: exit code {process.exitcode}"
+        gate.open()
         assert pending.wait(timeout=30) is None
 
         assert backend.fork(abs, -5).wait() == 5

@@ -28,11 +28,18 @@ def test_the_wheel_ships_py_typed(tmp_path):
     assert "aiopar/py.typed" in zipfile.ZipFile(wheel).namelist()
 
 
-def test_mypy_strict_accepts_a_user_program_and_infers_its_types(tmp_path):
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory) -> Path:
+    """One mypy cache for the module's runs: the standard library's stubs
+    are read once (mypy's incremental mode gives the verdict a fresh run would)."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def test_mypy_strict_accepts_a_user_program_and_infers_its_types(tmp_path, mypy_cache):
     # Run from a directory holding only the program, so mypy finds aiopar as
     # an installed package, which it reads only if the package has py.typed.
     shutil.copy(PROGRAM, tmp_path / "program.py")
-    mypy = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache")]
+    mypy = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(mypy_cache)]
     result = subprocess.run(
         [*mypy, "program.py"], cwd=tmp_path, capture_output=True, text=True, check=False
     )
@@ -43,9 +50,9 @@ def test_the_user_program_runs(tmp_path):
     subprocess.run([sys.executable, str(PROGRAM)], cwd=tmp_path, check=True, timeout=60)
 
 
-def test_aiopar_itself_passes_mypy_strict(tmp_path):
+def test_aiopar_itself_passes_mypy_strict(mypy_cache):
     # Run from the checkout, so mypy reads pyproject.toml's settings.
-    mypy = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache")]
+    mypy = [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(mypy_cache)]
     result = subprocess.run(
         [*mypy, "aiopar"], cwd=ROOT, capture_output=True, text=True, check=False
     )
