@@ -17,6 +17,7 @@ import anyio
 import pytest
 from future_helpers import fork_running_until_waited_on
 from helpers import run_python
+from process_helpers import FileGate, until_opened
 
 import aiopar
 from aiopar import _trace
@@ -578,15 +579,18 @@ def test_the_recorder_registers_with_the_seam_when_aiopar_loads():
     assert done.stdout.split() == ["aiopar.profiler._recorder", "None"], done.stderr
 
 
-def test_a_fork_still_running_when_its_process_task_returns_is_unfinished(process_pool):
+def test_a_fork_still_running_when_its_process_task_returns_is_unfinished(process_pool, tmp_path):
+    gate = FileGate(tmp_path / "gate")
+
     def leaves_one_running() -> None:
-        aiopar.fork(time.sleep, 0.3)
+        aiopar.fork(until_opened, gate.path)
 
     with profile() as prof:
         process_pool.fork(leaves_one_running).wait()
+    gate.open()
     [task, running] = prof.records
     assert running.parent is task and not running.finished
-    [stats] = [s for s in prof.stats() if s.name == "sleep"]
+    [stats] = [s for s in prof.stats() if s.name == "until_opened"]
     assert (stats.count, stats.unfinished) == (0, 1)
     check_trace_schema(prof.chrome_trace())
 
