@@ -20,6 +20,7 @@ import aiopar
 from aiopar import _budget, _budget_slots
 from aiopar._budget import budget, cores
 from aiopar.backends import Backend
+from aiopar.backends.thread import ThreadBackend
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("automatic_budget")]
 
@@ -120,6 +121,42 @@ def test_a_fork_cancelled_before_it_starts_gives_its_share_back():
     aiopar.wait_all([fut for fut in futs if fut not in cancelled])
     settle()
     assert seen() == (cores(), [cores()] * len(blas_threads()))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ThreadBackend._run_tasks starts a worker's spell of work (first_task) for "
+    "the task it takes before claiming it, so a task that was cancelled, or that its "
+    "waiter ran, counts: with two such workers, BLAS gets half the cores until rule 4 "
+    "gives them back",
+)
+@pytest.mark.parametrize("gone", ["cancelled", "run by its waiter"])
+def test_a_worker_late_for_a_fork_that_is_gone_counts_nothing(monkeypatch, gone):
+    # On a busy machine, a worker woken for a fork may reach the queue only
+    # after the fork was cancelled, or run by the thread that waited for it.
+    pool = ThreadBackend(max_workers=2)
+    late = threading.Event()
+    next_task = pool._next_task
+    monkeypatch.setattr(pool, "_next_task", lambda forks: (late.wait(10), next_task(forks))[1])
+    spells: list[object] = []
+    first_task = _budget_slots.Slot.first_task
+    monkeypatch.setattr(
+        _budget_slots.Slot, "first_task", lambda slot: (spells.append(slot), first_task(slot))
+    )
+    try:
+        futs = [pool.fork(time.sleep, 0.001) for _ in range(2)]
+        if gone == "cancelled":
+            assert all(fut.cancel() for fut in futs)
+        else:
+            for fut in futs:
+                fut.wait()  # this thread runs it
+        late.set()
+        eventually(lambda: len(pool._idle) == len(pool._workers), timeout=10)
+        assert spells == [], "a worker counted for a task it did not run"
+    finally:
+        late.set()
+        pool.shutdown()
+    settle()
 
 
 @pytest.mark.parametrize("k", [2, 3])
