@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import aiopar
 from aiopar._budget import budget
 
 
@@ -41,10 +42,16 @@ def late() -> bool:
 
 
 def settle(timeout: float = 5.0) -> None:
-    """Wait until no task counts against the budget (workers finish after
-    futures settle) and the libraries have the count for that."""
+    """Wait until the default thread pool's workers are all asleep, no task
+    counts against the budget (workers finish after futures settle) and the
+    libraries have the count for that. A worker woken for a fork may reach
+    the queue late on a busy machine, long after the fork was cancelled or
+    run by its waiter, and only then go back to sleep."""
+    pool = aiopar.get_backend("thread")
     deadline = time.monotonic() + timeout
-    while (budget.running or late()) and time.monotonic() < deadline:
+    while (
+        len(pool._idle) != len(pool._workers) or budget.running or late()
+    ) and time.monotonic() < deadline:
         time.sleep(0.001)
     with budget.lock:  # a change under way has ended
         assert budget.running == 0 and not late()
