@@ -14,6 +14,7 @@ if sys.argv[1] == "numpy":
     import numpy  # loads BLAS: the budget listens to the pools from now on
 import aiopar
 from aiopar import _budget_slots
+from aiopar._budget import budget
 
 # Every wait is "at once" (rule 3 of aiopar._budget), however loaded the
 # machine: this thread forks and waits, and never counts beside its forks.
@@ -51,7 +52,10 @@ def executor_asleep():
     return executor._idle_semaphore._value == len(executor._threads)
 
 def pool_asleep():
-    return len(pool._idle) == len(pool._workers)
+    # The libraries have every core back too: in the tenth of a second after
+    # two threads last counted (rule 4 of aiopar._budget), each worker that
+    # starts looks again whether they may have them.
+    return len(pool._idle) == len(pool._workers) and budget.applied in (None, budget.target())
 
 for _ in range(100):  # workers started, caches warm
     executor.submit(f).result()
