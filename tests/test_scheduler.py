@@ -254,11 +254,11 @@ def test_a_worker_that_an_error_of_aiopar_stops_leaves_the_pool_working():
         run_on_worker = thread.PoolTask.run_on_worker
         failed = []
 
-        def first_run_fails(task):
+        def first_run_fails(task, slot):
             if not failed:
                 failed.append(threading.current_thread())
                 raise RuntimeError("an error of aiopar's own")
-            run_on_worker(task)
+            run_on_worker(task, slot)
 
         thread.PoolTask.run_on_worker = first_run_fails
         futures = [pool.fork(int, "7") for _ in range(5)]

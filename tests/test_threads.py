@@ -123,13 +123,6 @@ def test_a_fork_cancelled_before_it_starts_gives_its_share_back():
     assert seen() == (cores(), [cores()] * len(blas_threads()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ThreadBackend._run_tasks starts a worker's spell of work (first_task) for "
-    "the task it takes before claiming it, so a task that was cancelled, or that its "
-    "waiter ran, counts: with two such workers, BLAS gets half the cores until rule 4 "
-    "gives them back",
-)
 @pytest.mark.parametrize("gone", ["cancelled", "run by its waiter"])
 def test_a_worker_late_for_a_fork_that_is_gone_counts_nothing(monkeypatch, gone):
     # On a busy machine, a worker woken for a fork may reach the queue only

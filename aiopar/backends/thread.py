@@ -62,7 +62,16 @@ class PoolTask(Task):
     reserved: _Worker | None
     stealable = True  # in-process: a waiter may run it
 
-    run_on_worker = Task.run
+    def run_on_worker(self, slot: Slot) -> None:
+        """Run the task in a pool's worker, whose slot is ``slot`` (unless it
+        was cancelled, or another thread claimed it first): a spell of work
+        begins with the first task it runs, not with one it only took."""
+        future = self.claim()
+        if future is not None:
+            if not slot.ran:
+                slot.first_task()
+            self.settle(future, self.call())
+            del future  # a failure's traceback holds this frame: no cycle (see Future)
 
     def run(self) -> None:
         """Run the task in a thread that waits for it (unless it was cancelled,
@@ -379,9 +388,7 @@ class ThreadBackend(Backend):
                     self._waking -= 1
                 continue
             worker.task = task
-            if not slot.ran:
-                slot.first_task()
-            task.run_on_worker()
+            task.run_on_worker(slot)
             worker.task = None
             del task  # the worker keeps no reference while it waits for the next
 
