@@ -107,7 +107,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     commands = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
-    test_command = next(c for c in commands if "pytest" in c)
+    test_command = next(c for c in commands if '".[test]"' in c)
     ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert test_command in ci_lines
     assert any("aiopar demo" in c for c in commands), "the README names the main job"
