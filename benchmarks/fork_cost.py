@@ -61,7 +61,7 @@ class NoPool(Backend):
     def max_workers(self) -> int:
         return 1
 
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         pass
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:

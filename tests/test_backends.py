@@ -104,7 +104,7 @@ class _CountingBackend(Backend):
     def max_workers(self) -> int:
         return 1
 
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         self.count += 1
         task.run()
 

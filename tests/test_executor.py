@@ -405,3 +405,13 @@ def test_an_executor_is_what_concurrent_futures_code_takes():
     assert "running on <ThreadBackend" in repr(executor)
     executor.shutdown()
     assert "shut down" in repr(executor)
+
+
+@pytest.mark.parametrize("args", [(), (3, 4)])
+def test_a_backend_handed_over_as_an_executor_names_aiopar_executor(args):
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(TypeError, match=r"not a concurrent.futures.Executor.*aiopar.Executor"):
+            loop.run_in_executor(aiopar.get_backend("thread"), mul, *args)
+    finally:
+        loop.close()

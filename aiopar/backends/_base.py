@@ -2,7 +2,7 @@
 
 A backend decides where forked work runs. :meth:`Backend.fork` wraps the call
 in a :class:`Task` whose future it returns at once and hands the task to
-:meth:`Backend.submit`; the backend arranges for :meth:`Task.run` to be called
+:meth:`Backend.enqueue`; the backend arranges for :meth:`Task.run` to be called
 exactly once (in a worker thread, a worker process, or right away). Because
 ``Task.run`` claims the future first, a task cancelled or already run by a
 waiter is skipped, so a backend needs no bookkeeping for either.
@@ -16,7 +16,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from types import BuiltinFunctionType, FunctionType, MethodType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 from .. import _loop, _trace
 from .._checks import check_count
@@ -213,7 +213,7 @@ def raise_not_callable(fn: object, where: str) -> None:
 class Backend(ABC):
     """Where forked tasks run.
 
-    Subclasses set :attr:`name` and implement :meth:`submit`,
+    Subclasses set :attr:`name` and implement :meth:`enqueue`,
     :meth:`shutdown` and :attr:`max_workers`, and call ``super().__init__()``
     so the backend is shut down (running what was queued) at interpreter
     exit (see ``_exit``). A backend is also a context manager that shuts it down on exit.
@@ -262,7 +262,7 @@ class Backend(ABC):
         if profiler is not None:
             task.record = profiler.on_fork(task)
         future._task = task
-        self.submit(task)
+        self.enqueue(task)
         return future
 
     def map(
@@ -321,15 +321,24 @@ class Backend(ABC):
             task.record = profiler.on_fork(task)
         for future in futures:
             future._task = task
-        self.submit(task)
+        self.enqueue(task)
         return futures
 
     @abstractmethod
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         """Arrange for ``task.run()`` to be called once; never block on the task.
 
         Raises RuntimeError if the backend has been shut down.
         """
+
+    def submit(self, fn: object, /, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refuse what code written for a ``concurrent.futures.Executor``
+        (``loop.run_in_executor``, say) asks of one: a backend is not one."""
+        raise TypeError(
+            f"{type(self).__name__} is an aiopar Backend, not a concurrent.futures.Executor: "
+            f"hand aiopar.Executor({self.name!r}) to loop.run_in_executor and other code that "
+            f"takes an executor, or fork on the backend itself with backend.fork(fn, *args)"
+        )
 
     @abstractmethod
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:

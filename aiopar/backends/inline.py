@@ -23,7 +23,7 @@ class InlineBackend(Backend):
     def max_workers(self) -> int:
         return 1
 
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         task.run()
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:

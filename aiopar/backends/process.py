@@ -47,7 +47,7 @@ to the parent over a Unix socket; a pidfd tells the manager thread at once
 when a worker dies. POSIX only; the shared-memory path needs Linux
 (elsewhere large buffers go through the socket).
 
-This module is the backend's public face (options, fork, map, submit,
+This module is the backend's public face (options, fork, map, enqueue,
 shutdown). The rest has a module per part: ``_process_pool`` (the pool's
 state and its manager thread, one class), ``_process_handle`` (a job, a
 worker process), ``_process_wire`` (framing) and ``_process_pickle`` (what
@@ -209,7 +209,7 @@ class ProcessBackend(Backend):
         pool.submit(Job(task, packed, futures))
         return futures
 
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         self._pool.check_open()
         self._pool.submit(Job(task, self._pack_call(task)))
 

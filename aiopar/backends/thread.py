@@ -210,7 +210,7 @@ class ThreadBackend(Backend):
         may have been run out of turn by a waiter already)."""
         return len(self._tasks) + sum(map(len, self._queues))
 
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         if not isinstance(task, PoolTask):
             raise TypeError(f"{type(self).__name__} runs {PoolTask.__name__}s only")
         # Not getattr(_current, "worker", None): on a thread-local, a missing

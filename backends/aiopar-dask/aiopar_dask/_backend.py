@@ -185,7 +185,7 @@ class DaskBackend(Backend):
             fn = _AsyncCall(fn)
         return super().fork(fn, *args, **kwargs)
 
-    def submit(self, task: Task) -> None:
+    def enqueue(self, task: Task) -> None:
         client = self._client_to_send()
         fn = task.fn
         runner: Callable[..., Any] = run_task
