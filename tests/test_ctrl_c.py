@@ -223,7 +223,7 @@ def test_a_ctrl_c_as_any_call_of_fork_returns_leaves_the_pool_s_lock_free():
         + """
 pool = ThreadBackend(max_workers=1)
 fork = lambda: pool.fork(int)
-for nth in interrupting_after_each_call(ThreadBackend.submit.__code__, fork):
+for nth in interrupting_after_each_call(ThreadBackend.enqueue.__code__, fork):
     check_free(pool._lock, f"as fork's call {nth} returned")
 print("interrupted", nth, "times")
 pool.shutdown()
