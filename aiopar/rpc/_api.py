@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -10,6 +11,7 @@ from aiopar import Future
 from aiopar.lowlevel import check_count
 
 from . import agent as _agent
+from ._rendezvous import rendezvous
 from ._rref import RRef, call_peer, forget_owned, remote_value, send_changes
 from .agent import (
     RpcBackendOptions,
@@ -54,15 +56,29 @@ def init_rpc(
 ) -> None:
     """Make this process the peer called ``name``; return once it can call and be called.
 
-    Without a scheduler address (``rpc_backend_options.init_method``), an
-    embedded cluster on this machine is started, listening on loopback
-    only: this process is the peer of rank ``rank`` (0 by default), and the
-    other ranks below ``world_size`` (None counts as 1) are started as
-    processes of this machine, named as torch names them
-    (``worker<rank>``). A peer of that cluster that dies is started again,
-    with an empty state. With an address, this process joins that cluster
-    as a peer any other peer can call, with rank ``rank`` or, without one,
-    the smallest free one; when ``world_size`` is given, ``init_rpc``
+    Where the ranks meet is ``rpc_backend_options.init_method``, as torch
+    reads it:
+
+    - ``"env://"``, torch's default, also taken when no ``init_method`` is
+      given and ``MASTER_ADDR`` or ``MASTER_PORT`` is set: the rendezvous is
+      at ``MASTER_ADDR:MASTER_PORT``, and ``RANK`` and ``WORLD_SIZE`` stand
+      for a ``rank`` or ``world_size`` not given;
+    - ``"tcp://host:port"``: the rendezvous is there. Rank 0 starts it (a
+      dask scheduler listening on that host, with aiopar-dask; loopback for
+      ``localhost``) unless one answers there already (then it joins that
+      one); every other rank joins it, trying until ``rpc_timeout`` while
+      nothing listens there, so the ranks may start in any order;
+    - a dask scheduler's address (``"tls://..."`` included): every rank
+      joins it;
+    - none of them: an embedded cluster on this machine is started,
+      listening on loopback only, whose peers are this process (rank 0)
+      and the other ranks below ``world_size`` (None counts as 1), started
+      as processes of this machine and named as torch names them
+      (``worker<rank>``). A peer of that cluster that dies is started
+      again, with an empty state. Only rank 0 starts a world of its own.
+
+    Joining, this process is the peer of rank ``rank`` or, without one,
+    of the smallest free one; when ``world_size`` is given, ``init_rpc``
     returns once ranks 0 to ``world_size - 1`` have each joined (as every
     process of a torch job calls it; a rank that joined and left already
     counts, peers without a rank or with a higher one do not). ``rank=-1``
@@ -84,38 +100,39 @@ def init_rpc(
     - ValueError for a name torch refuses (empty, over 128 characters, or
       with a character other than ``A-Za-z0-9_-:``), a name or rank that
       another peer has, a name the embedded cluster gives one of its own
-      peers, ``rank >= world_size`` (for an embedded cluster, a rank above
-      0 without ``world_size``), a rank or world size that is not a whole
-      number (ranks from 0, world sizes from 1), or an engine ``backend``
-      that is not installed;
+      peers, ``rank >= world_size``, a rank above 0 with no rendezvous to
+      join (the message names ``MASTER_ADDR`` and ``MASTER_PORT``), a rank
+      or world size that is not a whole number (ranks from 0, world sizes
+      from 1), ``env://`` without ``MASTER_ADDR`` or ``MASTER_PORT`` or with
+      a variable that is not a number where one is needed (each message
+      names the variable), or an engine ``backend`` that is not installed;
     - TypeError for a ``name`` that is not a string, options that are not
       :class:`RpcBackendOptions`, or a ``backend`` that is not a string;
-    - TimeoutError if, joining a scheduler, fewer than ``world_size`` peers
-      have joined after the options' ``rpc_timeout`` seconds (never, if it
-      is 0 or infinite);
+    - TimeoutError if, joining, nothing listens at a ``tcp://`` rendezvous
+      after the options' ``rpc_timeout`` seconds, or fewer than
+      ``world_size`` ranks have joined by then (the message names the
+      missing ranks; never, if it is 0 or infinite);
     - OSError naming the scheduler's address, and what was found there, if
-      no dask scheduler answers at it within ``rpc_timeout`` seconds (aiopar-dask).
+      no dask scheduler answers at it within ``rpc_timeout`` seconds, or
+      if it takes TLS and this process has no certificates for it (the
+      message says where to give them) (aiopar-dask).
     """
     check_peer_name(name)
     if rank == -1:  # torch's "not set"
         rank = None
     check_count(rank, "rank", minimum=0, none="the smallest free one")
     check_count(world_size, "world_size", none="any number of peers")
-    if rank is not None and world_size is not None and rank >= world_size:
-        raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
     options = RpcBackendOptions() if rpc_backend_options is None else rpc_backend_options
     if not isinstance(options, RpcBackendOptions):
         raise TypeError(
             f"rpc_backend_options must be aiopar.rpc.RpcBackendOptions, "
             f"got {type(options).__name__}"
         )
-    if rank and world_size is None and options.init_method is None:
-        raise ValueError(
-            f"rank {rank} needs a world_size > {rank}: the embedded cluster starts ranks "
-            f"0 to world_size - 1, and without world_size it has rank 0 alone (to join a "
-            f"cluster that has other ranks, give rpc_backend_options=RpcBackendOptions("
-            f"init_method=<its scheduler's address>))"
-        )
+    _check_rank_below(rank, world_size)
+    init_method, rank, world_size = rendezvous(options.init_method, rank, world_size)
+    _check_rank_below(rank, world_size)  # (either may come from env://)
+    if init_method != options.init_method:
+        options = dataclasses.replace(options, init_method=init_method)
     if backend is not None and not isinstance(backend, str):
         _agent.find_engine(backend)  # raises TypeError, naming what backend would be
     with _init_lock:
@@ -135,6 +152,11 @@ def init_rpc(
             forget_owned()
             raise
         _agent.set_current_agent(agent)
+
+
+def _check_rank_below(rank: int | None, world_size: int | None) -> None:
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

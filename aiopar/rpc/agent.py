@@ -31,6 +31,8 @@ from urllib.parse import urlsplit
 from aiopar import Future, wrap
 from aiopar.lowlevel import check_count
 
+from ._rendezvous import ENV
+
 __all__ = [
     "DEFAULT_RPC_TIMEOUT",
     "ENTRY_POINT_GROUP",
@@ -113,20 +115,26 @@ class RpcBackendOptions:
     in seconds (0 or ``float("inf")``: no limit, as is any number of seconds
     too large for a lock to wait, ``threading.TIMEOUT_MAX``), and also how
     long ``init_rpc`` waits for ``world_size`` peers to join a scheduler.
-    ``init_method`` is the address of the scheduler to join (such as
-    ``"tcp://10.0.0.5:8786"``); None starts an embedded cluster on this
-    machine, listening on loopback only. ``num_worker_threads`` is how many
+    ``init_method`` is where the ranks meet, as torch takes it:
+    ``"env://"`` (``MASTER_ADDR:MASTER_PORT``), ``"tcp://host:port"``
+    (rank 0 starts the rendezvous there, the other ranks join it), or the
+    address of a scheduler to join (such as ``"tls://10.0.0.5:8786"``);
+    None is ``"env://"`` when ``MASTER_ADDR`` or ``MASTER_PORT`` is set,
+    and otherwise starts an embedded cluster on this machine, listening on
+    loopback only (see ``init_rpc``). ``num_worker_threads`` is how many
     calls each peer this process starts runs at once (this process's own and
     those of the embedded cluster; calls blocked in ``wait`` and pending
     ``async_execution`` futures do not count). ``security`` is passed to the
     engine (for dask, a ``distributed.Security``: TLS for the cluster and
-    the calls; None, the default: the embedded cluster uses TLS with
-    certificates made as it starts, and a peer that joins a scheduler uses
-    none; False: no TLS at all).
+    the calls; None, the default: the embedded cluster and the scheduler
+    rank 0 starts at a ``tcp://`` rendezvous use TLS with certificates made
+    as they start, which the ranks of rank 0's machine find, and a peer
+    that joins another scheduler uses none; False: no TLS at all).
 
     Raises ValueError for an ``rpc_timeout`` that is not a number >= 0, a
     ``num_worker_threads`` that is not a whole number >= 1, and an
-    ``init_method`` with no host or a port outside 1-65535; TypeError for
+    ``init_method`` other than ``"env://"`` with no host or a port outside
+    1-65535; TypeError for
     an ``init_method`` that is not a string or None, and a ``security``
     that is plain data (such as ``"tls"``, or True) rather than an engine's
     object or False.
@@ -139,7 +147,7 @@ class RpcBackendOptions:
 
     def __post_init__(self) -> None:
         check_rpc_timeout(self.rpc_timeout)
-        if self.init_method is not None:
+        if self.init_method is not None and self.init_method != ENV:
             check_address(self.init_method, "init_method")
         check_count(self.num_worker_threads, "num_worker_threads")
         if self.security is not False and isinstance(

@@ -376,6 +376,8 @@ class DaskRpcAgent(RpcAgent):
         if self._scheduler_gone is None and self._stopped is None:  # else: no one to meet
             try:
                 await self._meet_the_others(deadline)
+                if self.cluster is not None:
+                    await self._outlast_the_others(deadline)
             except OSError as exc:  # the scheduler went meanwhile
                 self.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
 
@@ -385,12 +387,23 @@ class DaskRpcAgent(RpcAgent):
         async for _ in polls(deadline):
             if self._scheduler_gone is not None:
                 return
-            identity = await scheduler.identity(n_workers=-1)
-            workers = identity["workers"].values()
-            joined = {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
+            joined = await self._joined()
             leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
             if joined <= set(leaving):
                 return
+
+    async def _outlast_the_others(self, deadline: float | None) -> None:
+        """The scheduler this process started closes with it: the peers met
+        go first, so that none of them sees the scheduler go."""
+        async for _ in polls(deadline):
+            if self._scheduler_gone is not None or not await self._joined() - {self._token}:
+                return
+
+    async def _joined(self) -> set[str]:
+        """The tokens of the peers on the scheduler whose processes called ``init_rpc``."""
+        identity = await self._worker.scheduler.identity(n_workers=-1)
+        workers = identity["workers"].values()
+        return {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
 
 
 class _CallWaiter(Seceder):

@@ -47,6 +47,7 @@ from typing import Any
 import distributed
 import psutil
 from distributed import LocalCluster, Nanny, Security, SpecCluster
+from distributed.comm.addressing import unparse_host_port
 from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 from distributed.utils import silence_logging_cmgr
@@ -65,6 +66,7 @@ __all__ = [
     "cluster_security",
     "loopback_cluster_options",
     "protocol_for",
+    "scheduler_spec",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -88,6 +90,24 @@ def cluster_security(security: Security | bool | None) -> Security | None:
 def protocol_for(security: Security | None) -> str:
     """tls:// when ``security`` asks for encryption, else tcp://."""
     return "tls://" if security is not None and security.require_encryption else "tcp://"
+
+
+def scheduler_spec(
+    security: Security | None, host: str = LOOPBACK, port: int = 0
+) -> dict[str, Any]:
+    """The ``SpecCluster`` spec of a scheduler aiopar starts at ``host:port``
+    (any free port for 0), whose HTTP server listens on that host too."""
+    return {
+        "cls": TlsScheduler,  # its HTTP pages over TLS when the cluster has TLS
+        "options": {
+            "host": host,
+            "port": port,
+            "protocol": protocol_for(security),
+            "dashboard": False,
+            "dashboard_address": unparse_host_port(host, 0),  # its HTTP server starts regardless
+            "security": security,
+        },
+    }
 
 
 def loopback_cluster_options(security: Security | None, processes: bool) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 ``init_rpc`` without a scheduler address starts an embedded cluster (its
 other peers in nannies, everything on loopback); with one, it joins that
-scheduler. Either way this process's :class:`~._peer.Peer` runs on an event
+scheduler, which rank 0 starts at a ``tcp://`` rendezvous if none answers
+there (``_rendezvous``). Either way this process's :class:`~._peer.Peer` runs on an event
 loop in a thread of its own, and leaves at exit if ``rpc.shutdown()`` was
 not called.
 """
@@ -24,33 +25,21 @@ from typing import Any
 
 import distributed
 from distributed import Security, SpecCluster
+from distributed.core import rpc
+from tornado.ioloop import IOLoop
 
 from aiopar.lowlevel import at_exit
 from aiopar.rpc.agent import RpcBackendOptions, current_agent_or_none, set_current_agent
 
-from . import _wire
+from . import _rendezvous, _wire
 from ._agent import DaskRpcAgent, close_peer, polls
-from ._cluster import LOOPBACK, FreshNanny, TlsScheduler, cluster_security, protocol_for
+from ._cluster import LOOPBACK, FreshNanny, cluster_security, scheduler_spec
 from ._peer import JOINED_KEY, SECRET_KEY, Peer
-from ._reach import check_scheduler
+from ._rendezvous import endpoint
 
 __all__ = ["rpc_engine"]
 
 _logger = logging.getLogger("aiopar.rpc")
-
-
-def _scheduler_spec(security: Security | None) -> dict[str, Any]:
-    return {
-        "cls": TlsScheduler,  # its HTTP pages over TLS when the cluster has TLS
-        "options": {
-            "host": LOOPBACK,
-            "port": 0,
-            "protocol": protocol_for(security),
-            "dashboard": False,
-            "dashboard_address": f"{LOOPBACK}:0",  # its HTTP server starts regardless
-            "security": security,
-        },
-    }
 
 
 def _peer_options(
@@ -130,13 +119,12 @@ async def _start_peer(
                 f"rank {rank} is taken by rpc peer {clash[0]!r}; give each a rank of its own"
             )
     else:
+        security = options.security or Security()  # (what a worker uses without one)
         async with (
-            distributed.Client(
-                address, security=options.security, asynchronous=True, set_as_default=False
-            ) as client,
-            distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=client.scheduler, loop=client.loop),
+            rpc(address, connection_args=security.get_connection_args("worker")) as scheduler,
+            distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=scheduler, loop=IOLoop.current()),
         ):
-            identity = await client.scheduler.identity(n_workers=-1)
+            identity = await scheduler.identity(n_workers=-1)
             taken = {w["aiopar_id"] for w in identity["workers"].values() if "aiopar_id" in w}
             ids = itertools.count(0) if joined else itertools.count(-1, -1)
             peer = await _registered(new_peer(next(i for i in ids if i not in taken)), name)
@@ -162,52 +150,77 @@ async def _start(
     options: RpcBackendOptions,
     parts: _Parts,
 ) -> DaskRpcAgent:
-    """Start this process's peer (and the embedded cluster), noting each in
-    ``parts``; the caller stops them if this raises."""
+    """Start this process's peer (and the embedded cluster, or the scheduler
+    of a rendezvous), noting each in ``parts``; the caller stops them if
+    this raises."""
     address = options.init_method
     secret = None
     if address is None:
         secret = _wire.new_secret()
-        rank = 0 if rank is None else rank
-        others = {f"worker{r}": r for r in range(world_size or 1) if r != rank}
-        if name in others:
-            raise ValueError(
-                f"the embedded cluster names its other peers as torch does ({', '.join(others)}); "
-                f"{name!r} is rank {others[name]}'s name: call this peer worker{rank}"
-            )
-        cluster = parts.cluster = SpecCluster(
-            scheduler=_scheduler_spec(options.security),
-            workers={
-                peer_name: {
-                    "cls": FreshNanny,
-                    "options": {
-                        **_peer_options(peer_rank, False, options, secret),
-                        "name": peer_name,
-                        "worker_class": Peer,
-                        "host": LOOPBACK,
-                    },
-                }
-                for peer_name, peer_rank in others.items()
-            },
-            security=options.security,
-            asynchronous=True,
-            silence_logs=logging.WARN,
-            name="aiopar.rpc",
+        address = await _start_embedded(
+            name, 0 if rank is None else rank, world_size, options, secret, parts
         )
-        await cluster
-        address = cluster.scheduler_address
-        # for peers that join it later (its own got the secret in their options)
-        scheduler = cluster.scheduler_comm
-        assert scheduler is not None  # (the cluster has started)
-        await scheduler.set_metadata(keys=[SECRET_KEY], value=secret.hex())
     else:
-        await check_scheduler(address, options.security, options.rpc_timeout)
+        hosted = None
+        if rank == 0 and endpoint(address) is not None:
+            hosted = parts.cluster = await _rendezvous.host(address, options.security)
+        if hosted is not None:
+            address, security = hosted.scheduler_address, hosted.security
+        else:
+            address, security = await _rendezvous.join(
+                address, options.security, options.rpc_timeout
+            )
+        options = dataclasses.replace(options, security=security)
     peer = await _start_peer(address, name, rank, True, options, parts, secret)
     agent = peer.rpc_agent
     agent.cluster = parts.cluster
     if world_size is not None and options.init_method is not None:
         await _wait_for_peers(agent, world_size, options.rpc_timeout)
     return agent
+
+
+async def _start_embedded(
+    name: str,
+    rank: int,
+    world_size: int | None,
+    options: RpcBackendOptions,
+    secret: bytes,
+    parts: _Parts,
+) -> str:
+    """Start the embedded cluster, with a peer of each rank below
+    ``world_size`` but ``rank`` (this process's); return its address."""
+    others = {f"worker{r}": r for r in range(world_size or 1) if r != rank}
+    if name in others:
+        raise ValueError(
+            f"the embedded cluster names its other peers as torch does ({', '.join(others)}); "
+            f"{name!r} is rank {others[name]}'s name: call this peer worker{rank}"
+        )
+    cluster = parts.cluster = SpecCluster(
+        scheduler=scheduler_spec(options.security),
+        workers={
+            peer_name: {
+                "cls": FreshNanny,
+                "options": {
+                    **_peer_options(peer_rank, False, options, secret),
+                    "name": peer_name,
+                    "worker_class": Peer,
+                    "host": LOOPBACK,
+                },
+            }
+            for peer_name, peer_rank in others.items()
+        },
+        security=options.security,
+        asynchronous=True,
+        silence_logs=logging.WARN,
+        name="aiopar.rpc",
+    )
+    await cluster
+    # for peers that join it later (its own got the secret in their options)
+    scheduler = cluster.scheduler_comm
+    assert scheduler is not None  # (the cluster has started)
+    await scheduler.set_metadata(keys=[SECRET_KEY], value=secret.hex())
+    address: str = cluster.scheduler_address
+    return address
 
 
 async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) -> None:
@@ -283,13 +296,12 @@ class _Engine:
         self, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions
     ) -> DaskRpcAgent:
         """Make this process the peer ``name`` (``init_rpc``). An embedded
-        cluster uses TLS unless the options' ``security`` is False (with
-        certificates made now, unless it is a ``Security`` of the user's)."""
+        cluster, and the scheduler rank 0 starts at a rendezvous, use TLS
+        unless the options' ``security`` is False (with certificates made
+        now, unless it is a ``Security`` of the user's)."""
         _check_security(options.security)
         if options.init_method is None:
             options = dataclasses.replace(options, security=cluster_security(options.security))
-        else:
-            options = _joining(options)
         runner = _LoopThread()
         parts = _Parts()
         try:
@@ -308,11 +320,13 @@ class _Engine:
         interrupted (SIGINT, SIGTERM) or the scheduler goes away, saying on
         stderr what it serves once it has joined, and why it stopped."""
         _check_security(options.security)
-        options = _joining(options)
 
         async def main() -> None:
-            await check_scheduler(scheduler, options.security, options.rpc_timeout)
-            peer = await _start_peer(scheduler, name, rank, False, options)
+            address, security = await _rendezvous.join(
+                scheduler, options.security, options.rpc_timeout
+            )
+            joining = dataclasses.replace(options, security=security)
+            peer = await _start_peer(address, name, rank, False, joining)
             peer_id = peer.rpc_agent.worker_info.id
             which = f"rank {peer_id}" if peer_id >= 0 else f"id {peer_id}, no rank"
             _say(
@@ -350,14 +364,6 @@ def _check_security(security: object) -> None:
             f"(such as Security.temporary()), False for no TLS, or None, "
             f"got {type(security).__name__}"
         )
-
-
-def _joining(options: RpcBackendOptions) -> RpcBackendOptions:
-    """The options of a peer that joins a scheduler: its ``Security`` if one
-    was given (the scheduler's own TLS), else none."""
-    if isinstance(options.security, Security):
-        return options
-    return dataclasses.replace(options, security=None)
 
 
 def _undo(runner: _LoopThread, parts: _Parts) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -21,69 +22,59 @@ from dask.utils import parse_timedelta
 from distributed.comm.addressing import parse_address, parse_host_port
 from distributed.comm.core import connect
 
-__all__ = ["check_scheduler", "check_scheduler_blocking"]
+__all__ = [
+    "TLS_ADVICE",
+    "accepts",
+    "check_scheduler",
+    "check_scheduler_blocking",
+    "wait_for_listener",
+]
 
-_RETRY = 0.1  # seconds between tries of a refused connection
+RETRY = 0.1  # seconds between tries of a refused connection
 
 
-async def check_scheduler(address: str, security: Any, timeout: float) -> None:
+TLS_ADVICE = (
+    "give this process certificates that the scheduler trusts: "
+    "RpcBackendOptions(security=distributed.Security(...)) to init_rpc, "
+    "use_backend('dask', security=...), or to aiopar worker --tls-ca-file, --tls-cert and "
+    "--tls-key (or dask's distributed.comm.tls configuration)"
+)
+
+
+async def check_scheduler(
+    address: str,
+    security: Any,
+    timeout: float,
+    *,
+    role: str = "client",
+    tls_advice: str = TLS_ADVICE,
+) -> None:
     """Return once a dask scheduler answers at ``address``, within ``timeout``
-    seconds (0, or more than a lock can wait: dask's connect timeout).
+    seconds (0, or more than a lock can wait: dask's connect timeout),
+    reached with ``security``'s connection arguments for ``role``.
 
     Raises OSError naming ``address`` and what was found there: nothing
     (the connection is refused, or the host name does not resolve), a server
     that accepts and stays silent (TimeoutError), an HTTP server, another
-    dask server, or something else that does not speak dask's protocol.
+    dask server, a scheduler that takes TLS when this process has no
+    certificates (or the other way round: each message names TLS and ends
+    with ``tls_advice``), or something else that does not speak dask's
+    protocol.
     """
     if not 0 < timeout <= threading.TIMEOUT_MAX:
         timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
     deadline = time.monotonic() + timeout
     scheme, location = parse_address(address)
     endpoint = parse_host_port(location) if scheme in ("tcp", "tls") else None
-    if endpoint is not None:
-        await _accepts(address, *endpoint, timeout, deadline)
-    # Keep a moment to ask what answers, if it is no dask scheduler.
-    spare = min(1.0, timeout / 5) if endpoint is not None else 0.0
-    connection_args = {} if security is None else security.get_connection_args("client")
-    try:
-        async with asyncio.timeout(deadline - spare - time.monotonic()):
-            comm = await connect(address, timeout=timeout, **connection_args)
-            try:
-                await comm.write({"op": "identity", "reply": True})
-                identity = await comm.read()
-            finally:
-                comm.abort()
-    except Exception as exc:  # silent, or its reply is no dask frame (dask may ask exabytes)
-        silent = isinstance(exc, TimeoutError)
-        http = None if endpoint is None else await _http_status(*endpoint, deadline)
-        if http is not None:
-            raise OSError(
-                f"no dask scheduler at {address}: an HTTP server answers there ({http!r}); "
-                f"a dashboard's port? (a scheduler's is 8786 unless set)"
-            ) from None
-        if silent:
-            raise TimeoutError(
-                f"no dask scheduler at {address}: the server there accepted a connection "
-                f"and did not answer within {timeout:g} s"
-            ) from None
+    connection_args = {} if security is None else security.get_connection_args(role)
+    if scheme == "tls" and connection_args.get("ssl_context") is None:
         raise OSError(
-            f"no dask scheduler at {address}: what answers there does not speak dask's "
-            f"protocol ({type(exc).__name__}: {exc})"
-        ) from exc
-    kind = identity.get("type") if isinstance(identity, dict) else type(identity).__name__
-    if kind != "Scheduler":
-        raise OSError(f"no dask scheduler at {address}: a dask {kind} answers there")
-
-
-async def _accepts(address: str, host: str, port: int, timeout: float, deadline: float) -> None:
-    """Return once ``host:port`` accepts a TCP connection; until ``deadline``
-    a refused one is tried again (the scheduler may be starting)."""
-    while True:
+            f"the scheduler at {address} takes TLS, and this process has no TLS "
+            f"certificates: {tls_advice}"
+        )
+    if endpoint is not None:
         try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                _, writer = await asyncio.open_connection(host, port)
-            writer.close()
-            return
+            await wait_for_listener(*endpoint, deadline, connection_args.get("ssl_context"))
         except TimeoutError:
             raise TimeoutError(
                 f"no dask scheduler at {address}: connecting to it took more than {timeout:g} s"
@@ -93,12 +84,121 @@ async def _accepts(address: str, host: str, port: int, timeout: float, deadline:
                 f"no dask scheduler at {address}: its host name does not resolve ({exc})"
             ) from exc
         except OSError as exc:
-            if time.monotonic() + _RETRY >= deadline:
-                raise OSError(
-                    f"no dask scheduler at {address}: the connection was refused for "
-                    f"{timeout:g} s ({exc.strerror or exc}); nothing listens on that port"
-                ) from exc
-            await asyncio.sleep(_RETRY)
+            raise OSError(
+                f"no dask scheduler at {address}: the connection was refused for "
+                f"{timeout:g} s ({exc.strerror or exc}); nothing listens on that port"
+            ) from exc
+    # Keep a moment to ask what answers, if it is no dask scheduler.
+    spare = min(1.0, timeout / 5) if endpoint is not None else 0.0
+    try:
+        async with asyncio.timeout(deadline - spare - time.monotonic()):
+            comm = await connect(address, timeout=timeout, **connection_args)
+            try:
+                await comm.write({"op": "identity", "reply": True})
+                identity = await comm.read()
+            finally:
+                comm.abort()
+    except Exception as exc:  # silent, or its reply is no dask frame (dask may ask exabytes)
+        if endpoint is not None:
+            await _explain(address, scheme, *endpoint, deadline, tls_advice)
+        if isinstance(exc, TimeoutError):
+            raise TimeoutError(
+                f"no dask scheduler at {address}: the server there accepted a connection "
+                f"and did not answer within {timeout:g} s"
+            ) from None
+        raise OSError(
+            f"no dask scheduler at {address}: what answers there does not speak dask's "
+            f"protocol ({type(exc).__name__}: {exc})"
+        ) from exc
+    kind = identity.get("type") if isinstance(identity, dict) else type(identity).__name__
+    if not str(kind).endswith("Scheduler"):  # (aiopar's own are TlsSchedulers)
+        raise OSError(f"no dask scheduler at {address}: a dask {kind} answers there")
+
+
+async def _explain(
+    address: str, scheme: str, host: str, port: int, deadline: float, tls_advice: str
+) -> None:
+    """Where dask's protocol failed: raise OSError saying so if an HTTP server
+    answers at ``host:port``, or TLS where this process spoke none (or the
+    other way round)."""
+    http = await _http_status(host, port, deadline)
+    if http is not None:
+        raise OSError(
+            f"no dask scheduler at {address}: an HTTP server answers there ({http!r}); "
+            f"a dashboard's port? (a scheduler's is 8786 unless set)"
+        )
+    tls = await _speaks_tls(host, port, deadline)
+    if tls and scheme == "tcp":
+        raise OSError(
+            f"the scheduler at {address} takes TLS only (tls://{host}:{port}), and this "
+            f"process reached it without: {tls_advice}"
+        )
+    if tls:
+        raise OSError(
+            f"the scheduler at {address} refused this process's TLS certificates "
+            f"(or is no dask scheduler): {tls_advice}"
+        )
+    if scheme == "tls":
+        raise OSError(
+            f"no TLS at {address}: what listens there does not speak TLS (a scheduler "
+            f"without TLS is reached at tcp://{host}:{port}, without certificates)"
+        )
+
+
+async def wait_for_listener(
+    host: str, port: int, deadline: float | None, context: ssl.SSLContext | None = None
+) -> None:
+    """Return once ``host:port`` accepts a connection (see :func:`accepts`);
+    until ``deadline`` (``time.monotonic()``; None: no limit) one that
+    fails is tried again (the scheduler may be starting). Raises
+    TimeoutError if a try outlasts the deadline, ``socket.gaierror`` for a
+    host name that does not resolve, and ConnectionRefusedError once the
+    deadline has passed."""
+    while not await accepts(host, port, deadline, context):
+        if deadline is not None and time.monotonic() + RETRY >= deadline:
+            raise ConnectionRefusedError(f"nothing accepted a connection at {host}:{port}")
+        await asyncio.sleep(RETRY)
+
+
+async def accepts(
+    host: str, port: int, deadline: float | None, context: ssl.SSLContext | None = None
+) -> bool:
+    """One try: whether something accepts a connection at ``host:port``
+    (False: refused, or the connection failed); with ``context``, through a
+    TLS handshake, so that a TLS server is not left with a connection that
+    never spoke TLS (dask logs a warning for each). A TLS handshake that
+    fails tells that something listens: True. Raises TimeoutError past
+    ``deadline``, and ``socket.gaierror`` for a host name that does not
+    resolve."""
+    left = None if deadline is None else max(deadline - time.monotonic(), 0)
+    try:
+        async with asyncio.timeout(left):
+            _, writer = await asyncio.open_connection(host, port, ssl=context)
+    except ssl.SSLError:
+        return True
+    except (TimeoutError, socket.gaierror):
+        raise
+    except OSError:
+        return False
+    writer.close()
+    return True
+
+
+async def _speaks_tls(host: str, port: int, deadline: float) -> bool:
+    """Whether a TLS server answers at ``host:port``: a handshake that ends,
+    or that the server breaks off with a TLS alert (it wanted a certificate)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.5)):
+            _, writer = await asyncio.open_connection(host, port, ssl=context)
+        writer.close()
+        return True
+    except ssl.SSLError as exc:
+        return "ALERT" in (exc.reason or "")
+    except OSError:  # TimeoutError too: what answers is no TLS server
+        return False
 
 
 async def _http_status(host: str, port: int, deadline: float) -> str | None:

@@ -1,0 +1,185 @@
+"""torch's ``tcp://`` rendezvous on dask: rank 0 starts the scheduler there, the others join it.
+
+``init_rpc`` hands the engine ``tcp://host:port`` for torch's ``env://``
+and ``tcp://`` alike. Rank 0 starts a dask scheduler listening there (on
+that host only: loopback for ``localhost``), unless a dask scheduler
+answers there already (one the user started: rank 0 then joins it as the
+others do). Every other rank joins, and tries again while nothing listens
+there, until its ``rpc_timeout``: the ranks may start in any order.
+
+Closed by default: the scheduler rank 0 starts uses TLS with certificates
+made as it starts, unless the options give a ``Security`` (the user's
+certificates, which every rank then gives) or False (no TLS, for every
+rank). The ranks of rank 0's machine find those certificates where rank 0
+left them for them alone (``_credentials``); a rank of another machine
+cannot, and is told to give certificates of the user's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+from distributed import Security, SpecCluster
+from distributed.comm.addressing import parse_address, parse_host_port, unparse_host_port
+
+from . import _credentials
+from ._cluster import cluster_security, scheduler_spec
+from ._reach import RETRY, accepts, check_scheduler
+
+__all__ = ["RendezvousScheduler", "endpoint", "host", "join"]
+
+RENDEZVOUS_TLS_ADVICE = (
+    "the scheduler that rank 0 starts at a tcp:// rendezvous makes its TLS certificates as it "
+    "starts, and only the ranks of rank 0's machine can read them: give every rank "
+    "RpcBackendOptions(security=distributed.Security(...)) with certificates of yours, "
+    "or security=False to every rank (no TLS)"
+)
+
+
+def endpoint(address: str) -> tuple[str, int] | None:
+    """The host and port of a ``tcp://`` address (dask reads one without a
+    scheme as ``tcp://``), or None for another scheme (``tls://``)."""
+    scheme, location = parse_address(address)
+    if scheme != "tcp":
+        return None
+    host, port = parse_host_port(location)
+    return host, port
+
+
+class RendezvousScheduler(SpecCluster):
+    """The scheduler rank 0 starts at a rendezvous, alone (no workers). The
+    certificates it made for the ranks of its machine go as it closes."""
+
+    def __init__(self, host: str, port: int, security: Security | None, shared: bool) -> None:
+        super().__init__(  # type: ignore[no-untyped-call]
+            scheduler=scheduler_spec(security, host, port),
+            workers={},
+            security=security,
+            asynchronous=True,
+            silence_logs=logging.WARN,
+            name="aiopar.rpc",
+        )
+        self._where = (host, port)
+        self._shared = shared
+
+    async def _close(self) -> None:
+        try:
+            await super()._close()  # type: ignore[no-untyped-call]
+        finally:
+            if self._shared:
+                _credentials.discard(*self._where)
+
+
+async def host(address: str, security: Security | bool | None) -> RendezvousScheduler | None:
+    """For rank 0: start the scheduler at the ``tcp://`` ``address``, unless
+    something listens there already (then None: rank 0 joins what is there).
+
+    Its security is ``security``, or none for False, or TLS with
+    certificates made now for None, which the ranks of this machine then
+    find (a file of this user's). Raises OSError naming the address if the
+    scheduler cannot start there.
+    """
+    where = endpoint(address)
+    assert where is not None
+    if await _listening(*where):
+        return None
+    made = cluster_security(security)
+    shared = security is None
+    if shared:  # before the scheduler listens: a rank that reaches it finds them
+        assert made is not None
+        _credentials.save(*where, made)
+    else:  # a file there is another job's: these ranks give their own (or none)
+        _credentials.discard(*where)
+    cluster = RendezvousScheduler(*where, made, shared)
+    try:
+        await cluster
+    except BaseException as exc:
+        await cluster.close()  # type: ignore[misc]  # (removes the certificates too)
+        if isinstance(exc, Exception):
+            raise OSError(
+                f"rank 0 cannot start the rendezvous at {address} ({exc.__cause__ or exc}); "
+                f"MASTER_ADDR (or the tcp:// address) must name rank 0's own machine, "
+                f"and MASTER_PORT a port free there"
+            ) from exc
+        raise
+    return cluster
+
+
+async def join(
+    address: str, security: Security | bool | None, timeout: float
+) -> tuple[str, Security | None]:
+    """The scheduler at ``address`` to join, as dask reaches it, and the
+    security to join it with: ``security`` itself (a ``tcp://`` address is
+    reached as ``tls://`` when it asks for TLS), none for False, and for
+    None, at a ``tcp://`` address, the certificates rank 0 left for the
+    ranks of this machine, if it did.
+
+    Waits up to ``timeout`` seconds (0 or more than a lock can wait: no
+    limit) while nothing listens there. Raises TimeoutError if nothing
+    does by then, and what ``check_scheduler`` raises if no dask scheduler
+    answers, or it takes TLS and this process has no certificates for it.
+    """
+    limited = 0 < timeout <= threading.TIMEOUT_MAX
+    deadline = time.monotonic() + timeout if limited else None
+    where = endpoint(address)
+    found: Security | None = None
+    if isinstance(security, Security):
+        found = security
+        if where is not None and security.require_encryption:
+            address = f"tls://{unparse_host_port(*where)}"
+    elif security is None and where is not None:
+        found = await _certificates_of_rank_0(address, where, deadline)
+        if found is not None:
+            address = f"tls://{unparse_host_port(*where)}"
+    left = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
+    advice = {"tls_advice": RENDEZVOUS_TLS_ADVICE} if where is not None else {}
+    await check_scheduler(address, found, left, **advice)
+    return address, found
+
+
+async def _certificates_of_rank_0(
+    address: str, where: tuple[str, int], deadline: float | None
+) -> Security | None:
+    """Once something listens at ``where``: the certificates rank 0 left
+    for the ranks of this machine, if it did (None: no file, so a
+    scheduler of another machine, or of the user's). Tries again while
+    the connection is refused, until ``deadline``."""
+    start = time.monotonic()
+    while True:
+        # A file there may be a dead rank 0's, so it is read again once
+        # something listens: rank 0 writes it before its scheduler does.
+        found = _credentials.load(*where)
+        context = None if found is None else found.get_connection_args("client")["ssl_context"]
+        try:
+            if await accepts(*where, deadline, context):
+                return _credentials.load(*where)
+        except (TimeoutError, socket.gaierror):
+            return found  # check_scheduler says what is there
+        if deadline is not None and time.monotonic() + RETRY >= deadline:
+            raise TimeoutError(
+                f"no dask scheduler at {address}: the connection was refused for "
+                f"{time.monotonic() - start:.3g} s, nothing listens there (at a tcp:// "
+                f"rendezvous, rank 0 starts the scheduler: has it started?)"
+            )
+        await asyncio.sleep(RETRY)
+
+
+async def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port``. Raises
+    OSError naming it if that cannot be told (an unknown host name)."""
+    try:
+        async with asyncio.timeout(5):
+            _, writer = await asyncio.open_connection(host, port)
+    except ConnectionRefusedError:
+        return False
+    except (OSError, TimeoutError) as exc:
+        raise OSError(
+            f"rank 0 cannot start the rendezvous at {unparse_host_port(host, port)}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    writer.close()
+    return True

@@ -1,0 +1,247 @@
+"""Where the ranks of a torch job meet: env://, tcp://, and what goes wrong on the way.
+
+Each rank is a script of its own, started as torch's docs start them
+(``python script.py RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), with
+a timeout; rank 0 starts the scheduler on loopback and the others join it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from aiopar_dask import _credentials
+from dask_helpers import Leftovers, listening_addresses, wait_until
+
+from aiopar import rpc
+
+pytestmark = pytest.mark.timeout(180)
+
+# A training script as torch's tutorials write one: its rank comes from
+# the command line, where to meet from MASTER_ADDR and MASTER_PORT. It
+# reports what it found as a JSON line.
+SCRIPT = """
+    import json, os, stat, sys
+    import psutil
+    from aiopar import rpc
+    from aiopar_dask import _credentials, _wire
+
+
+    def report(rank):
+        agent = rpc.agent.current_agent()
+        found = {
+            "other_pid": rpc.rpc_sync(f"worker{1 - rank}", os.getpid),
+            "peers": [info.name for info in rpc.agent.current_agent().peers()],
+            "scheduler": agent.worker.scheduler.address,
+            "hosts": agent.cluster is not None,
+            "children": len(psutil.Process().children()),
+        }
+        if rank == 1:
+            where = _credentials.path(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            found["modes"] = [oct(stat.S_IMODE(os.stat(p).st_mode)) for p in (where.parent, where)]
+            context = agent.worker.connection_args.get("ssl_context")
+            port = agent._lookup("worker0").port
+            try:  # the rpc wire still asks for the cluster's secret
+                _wire.connect("127.0.0.1", port, 5, context, _wire.new_secret(), "stranger")
+            except PermissionError:
+                found["stranger"] = "refused"
+        return found
+
+
+    def main(rank):
+        print("joining", flush=True)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+        print(json.dumps(report(rank)), flush=True)
+        rpc.shutdown()
+
+
+    if __name__ == "__main__":
+        main(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def leaves_nothing_behind():
+    left = Leftovers()
+    yield
+    wait_until(lambda: not (left.processes() or left.threads()), timeout=15)
+    assert left.processes() == set()
+    assert left.threads() == set()
+    assert rpc.agent._current is None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environment(port: int, **more: str) -> dict[str, str]:
+    """This environment with the rendezvous at 127.0.0.1:``port``, and
+    distributed's logs as a user sees them (the tests' conftest quiets them)."""
+    env = {k: v for k, v in os.environ.items() if k != "DASK_LOGGING__DISTRIBUTED"}
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **more}
+
+
+def start_rank(script: str, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, script, str(rank)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_each_rank_a_script_meeting_at_master_addr_and_port(tmp_path, leaves_nothing_behind):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    port = free_port()
+    env = rank_environment(port)
+    ranks = [start_rank(str(script), 1, env)]  # rank 1 first: it waits for rank 0
+    try:
+        assert ranks[0].stdout.readline() == "joining\n", ranks[0].communicate(timeout=60)
+        ranks.insert(0, start_rank(str(script), 0, env))
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert [rank.returncode for rank in ranks] == [0, 0], [err for _, err in outputs]
+    assert [err for _, err in outputs] == ["", ""]  # not a word from dask either
+    reports = [json.loads(out.splitlines()[-1]) for out, _ in outputs]
+    for rank, report in enumerate(reports):
+        assert report["other_pid"] == ranks[1 - rank].pid  # the other script itself
+        assert report["peers"] == ["worker0", "worker1"]
+        assert report["scheduler"] == f"tls://127.0.0.1:{port}"  # closed by default
+        assert report["hosts"] is (rank == 0)
+        assert report["children"] == 0  # no rank started a world of its own
+    assert reports[1]["modes"] == ["0o700", "0o600"]
+    assert reports[1]["stranger"] == "refused"
+    assert not _credentials.path("127.0.0.1", port).exists()  # rank 0 took them along
+
+
+def test_a_tcp_rendezvous_rank_0_joins_late_on_loopback(leaves_nothing_behind):
+    # torch's init_method="tcp://host:port": this process is rank 0, and
+    # rank 1, a script started before it, keeps trying until it is there.
+    address = f"tcp://127.0.0.1:{free_port()}"
+    rank_1 = """
+        import os, sys
+        from aiopar import rpc
+
+        options = rpc.RpcBackendOptions(init_method=sys.argv[1])
+        print("joining", flush=True)
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options)
+        print(rpc.rpc_sync("worker0", os.getpid), flush=True)
+        rpc.shutdown()
+    """
+    other = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(rank_1), address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout.readline() == "joining\n", other.communicate(timeout=60)
+        options = rpc.RpcBackendOptions(init_method=address, num_worker_threads=2)
+        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options)
+        try:
+            agent = rpc.agent.current_agent()
+            assert agent.cluster.scheduler_address == address.replace("tcp://", "tls://")
+            assert rpc.rpc_sync("worker1", os.getpid) == other.pid
+            assert listening_addresses({os.getpid(), other.pid}) == {"127.0.0.1"}
+        finally:
+            rpc.shutdown()
+        out, err = other.communicate(timeout=60)
+    finally:
+        other.kill()
+        other.wait()
+    assert other.returncode == 0, err
+    assert out.split() == [str(os.getpid())]
+
+
+@pytest.mark.parametrize(
+    ("env", "call", "words"),
+    [
+        ({}, {"rank": 1, "world_size": 2}, "MASTER_ADDR and MASTER_PORT to rank 0's address"),
+        ({"MASTER_ADDR": "127.0.0.1"}, {"rank": 1, "world_size": 2}, "MASTER_PORT is not set"),
+        ({"MASTER_PORT": "29500"}, {"rank": 0, "world_size": 2}, "MASTER_ADDR is not set"),
+        ({}, {"rank": 0, "init_method": "env://"}, "MASTER_ADDR and MASTER_PORT are not set"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "http"}, {"rank": 0}, "MASTER_PORT must be a port"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "one"}, {}, "variable RANK"),
+    ],
+)
+def test_a_rendezvous_without_its_variables_says_which_are_missing(monkeypatch, env, call, words):
+    for variable in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    options = rpc.RpcBackendOptions(init_method=call.pop("init_method", None))
+    with pytest.raises(ValueError, match=words):
+        rpc.init_rpc(f"worker{call.get('rank', 0)}", **call, rpc_backend_options=options)
+    assert rpc.agent._current is None
+
+
+def test_rank_1_tries_to_reach_rank_0_until_its_rpc_timeout(monkeypatch, leaves_nothing_behind):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    options = rpc.RpcBackendOptions(rpc_timeout=1)
+    with pytest.raises(TimeoutError, match=rf"127\.0\.0\.1:{port}: the connection was refused"):
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options)
+
+
+def test_rank_0_alone_names_the_ranks_that_did_not_come(monkeypatch, leaves_nothing_behind):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    options = rpc.RpcBackendOptions(rpc_timeout=1, num_worker_threads=1)
+    with pytest.raises(TimeoutError, match="ranks 1, 2 did not"):
+        rpc.init_rpc("worker0", rank=0, world_size=3, rpc_backend_options=options)
+    assert not _credentials.path("127.0.0.1", port).exists()
+    with socket.socket() as sock:  # and its scheduler is gone
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_rank_of_another_machine_is_told_to_bring_certificates(
+    tmp_path, monkeypatch, leaves_nothing_behind
+):
+    # Rank 0's certificates are where only the ranks of its machine look:
+    # this process looks elsewhere, as a rank on another machine would.
+    port = free_port()
+    rank_0 = """
+        import sys
+        from aiopar import rpc
+
+        rpc.init_rpc("worker0", rank=0, world_size=1)
+        print("ready", flush=True)
+        sys.stdin.read()
+        rpc.shutdown()
+    """
+    host = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(rank_0)],
+        env=rank_environment(port),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout.readline() == "ready\n", host.communicate(timeout=60)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(OSError, match="takes TLS only") as raised:
+            rpc.init_rpc("worker1", rank=1, rpc_backend_options=rpc.RpcBackendOptions())
+        assert "security=distributed.Security(...)" in str(raised.value)
+        assert "security=False" in str(raised.value)
+        _, err = host.communicate("", timeout=60)
+    finally:
+        host.kill()
+        host.wait()
+    assert host.returncode == 0, err
