@@ -79,10 +79,12 @@ def init_rpc(
 
     Joining, this process is the peer of rank ``rank`` or, without one,
     of the smallest free one; when ``world_size`` is given, ``init_rpc``
-    returns once ranks 0 to ``world_size - 1`` have each joined (as every
-    process of a torch job calls it; a rank that joined and left already
-    counts, peers without a rank or with a higher one do not). ``rank=-1``
-    is torch's "not set", the same as None.
+    returns once ranks 0 to ``world_size - 1`` of this job have each
+    joined (as every process of a torch job calls it; a rank that joined
+    and left already counts, peers without a rank or with a higher one do
+    not, nor do the ranks of an earlier job on the same scheduler: each
+    job meets on its own). ``rank=-1`` is torch's "not set", the same as
+    None.
     ``backend`` names the engine when several are installed, as a
     :class:`BackendType` or an engine's name (by default ``"dask"``, or the
     only one). The positional order is torch's.
@@ -163,9 +165,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the group of peers; return once this peer has stopped.
 
     With ``graceful`` (torch's default), first wait until the calls this
-    peer made have their replies, and until every other peer whose process
-    called :func:`init_rpc` has called ``shutdown`` too, so nobody leaves
-    while a call may still reach it. ``timeout`` bounds that wait, in
+    peer made have their replies, and until every other peer of this job
+    whose process called :func:`init_rpc` has called ``shutdown`` too, so
+    nobody leaves while a call may still reach it. ``timeout`` bounds that wait, in
     seconds (0: no limit); once it passes, this peer leaves anyway, without
     raising. Then this peer stops serving calls, and the calls it made that
     still have no reply fail with RuntimeError; the embedded cluster that

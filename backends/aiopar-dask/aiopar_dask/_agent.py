@@ -16,7 +16,7 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, NamedTuple
 
 import distributed
@@ -28,12 +28,12 @@ import aiopar
 from aiopar.lowlevel import HAVE_MEMFD, SegmentPool, set_callback_runner, set_waiter
 from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
 
-from . import _errors, _wire
+from . import _errors, _rounds, _wire
 from ._link import Link, Timeouts, fail
 from ._settle import Settler
 from ._worker import Seceder
 
-__all__ = ["COMPENSATION_LIMIT", "DaskRpcAgent", "close_peer", "polls"]
+__all__ = ["COMPENSATION_LIMIT", "DaskRpcAgent", "close_peer"]
 
 COMPENSATION_LIMIT = 64
 """How many calls blocked in ``wait`` a peer replaces in its thread pool at once.
@@ -51,7 +51,6 @@ _logger = logging.getLogger("aiopar.rpc")
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
 _REPLY_THREADS = 16  # replies unpickled at once, each behind no other (see _link)
-_POLL = 0.05  # seconds before the first new look at the scheduler while waiting for peers
 
 
 class _Where(NamedTuple):
@@ -96,13 +95,19 @@ class DaskRpcAgent(RpcAgent):
         self._segments = SegmentPool() if HAVE_MEMFD else None
         self._stopped: BaseException | None = None
         self._scheduler_gone: str | None = None  # why the peers cannot be looked up
-        self.cluster: SpecCluster | None = None  # the embedded cluster init_rpc started
+        self.cluster: SpecCluster | None = None  # the cluster or scheduler init_rpc started
+        self.round: str | None = None  # the rendezvous this peer's rank joined (see _rounds)
         self.on_close: Callable[[], None] | None = None
 
     @property
     def worker(self) -> distributed.Worker:
         """The dask worker this peer serves its calls in."""
         return self._worker
+
+    @property
+    def token(self) -> str:
+        """What tells this peer from the others on the scheduler, whatever its name."""
+        return self._token
 
     @property
     def hub(self) -> _wire.Hub:
@@ -367,13 +372,14 @@ class DaskRpcAgent(RpcAgent):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     async def _leave_together(self, deadline: float | None) -> None:
-        """Graceful shutdown: this peer's calls finish, then every peer that
-        joined leaves (without a scheduler to meet at, this one alone)."""
+        """Graceful shutdown: this peer's calls finish, then the peers of its
+        round that joined leave together (without a scheduler to meet at,
+        this one alone)."""
         while any(link.pending for link in list(self._links.values())):
             if deadline is not None and time.monotonic() > deadline:
                 break
-            await asyncio.sleep(_POLL)
-        if self._scheduler_gone is None and self._stopped is None:  # else: no one to meet
+            await asyncio.sleep(_rounds.POLL)
+        if self._scheduler_gone is None and self._stopped is None and self.round is not None:
             try:
                 await self._meet_the_others(deadline)
                 if self.cluster is not None:
@@ -382,28 +388,23 @@ class DaskRpcAgent(RpcAgent):
                 self.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
 
     async def _meet_the_others(self, deadline: float | None) -> None:
+        """Wait until every member of this peer's round that joined has said it leaves."""
+        assert self.round is not None
         scheduler = self._worker.scheduler
-        await scheduler.set_metadata(keys=["aiopar-rpc-leaving", self._token], value=1)
-        async for _ in polls(deadline):
-            if self._scheduler_gone is not None:
-                return
-            joined = await self._joined()
-            leaving = await scheduler.get_metadata(keys=["aiopar-rpc-leaving"], default={})
-            if joined <= set(leaving):
+        await _rounds.leaving(scheduler, self.round, self._token)
+        async for _ in _rounds.polls(deadline):
+            if self._scheduler_gone is not None or not await _rounds.staying(scheduler, self.round):
                 return
 
     async def _outlast_the_others(self, deadline: float | None) -> None:
         """The scheduler this process started closes with it: the peers met
         go first, so that none of them sees the scheduler go."""
-        async for _ in polls(deadline):
-            if self._scheduler_gone is not None or not await self._joined() - {self._token}:
+        assert self.round is not None
+        async for _ in _rounds.polls(deadline):
+            if self._scheduler_gone is not None:
                 return
-
-    async def _joined(self) -> set[str]:
-        """The tokens of the peers on the scheduler whose processes called ``init_rpc``."""
-        identity = await self._worker.scheduler.identity(n_workers=-1)
-        workers = identity["workers"].values()
-        return {w["aiopar_token"] for w in workers if w.get("aiopar_joined")}
+            if not await _rounds.present(self._worker.scheduler, self.round) - {self._token}:
+                return
 
 
 class _CallWaiter(Seceder):
@@ -514,13 +515,3 @@ async def close_peer(worker: distributed.Worker | None, cluster: SpecCluster | N
         await worker.close(reason="aiopar.rpc.shutdown")
     if cluster is not None:
         await cluster.close()  # type: ignore[misc]
-
-
-async def polls(deadline: float | None) -> AsyncIterator[None]:
-    """Look again at the scheduler until ``deadline``, more and more rarely
-    (from 50 ms to 1 s apart), so a thousand waiting peers do not flood it."""
-    delay = _POLL
-    while deadline is None or time.monotonic() < deadline:
-        yield
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 1.0)

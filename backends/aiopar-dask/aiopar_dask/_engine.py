@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Coroutine
 from typing import Any
@@ -31,10 +30,10 @@ from tornado.ioloop import IOLoop
 from aiopar.lowlevel import at_exit
 from aiopar.rpc.agent import RpcBackendOptions, current_agent_or_none, set_current_agent
 
-from . import _rendezvous, _wire
-from ._agent import DaskRpcAgent, close_peer, polls
+from . import _rendezvous, _rounds, _wire
+from ._agent import DaskRpcAgent, close_peer
 from ._cluster import LOOPBACK, FreshNanny, cluster_security, scheduler_spec
-from ._peer import JOINED_KEY, SECRET_KEY, Peer
+from ._peer import SECRET_KEY, Peer
 from ._rendezvous import endpoint
 
 __all__ = ["rpc_engine"]
@@ -81,17 +80,18 @@ async def _start_peer(
     options: RpcBackendOptions,
     parts: _Parts | None = None,
     secret: bytes | None = None,
+    world_size: int | None = None,
 ) -> Peer:
     """Start this process's :class:`Peer` on the scheduler at ``address``.
 
     Without a rank, a peer that joins (``init_rpc``) takes the smallest
     rank free, and one that only serves (``aiopar worker``) takes no rank:
     its id is negative (-1, -2, ...), so it never stands in for a rank of
-    ``world_size``. Ids are chosen under a dask lock, so two peers joining
-    at once do not take the same. A ranked peer is recorded in the
-    scheduler's metadata as having joined. The peer is noted in ``parts``
-    as soon as it exists. Without ``secret``, the peer takes the cluster's
-    from the scheduler.
+    ``world_size``. A peer with a rank joins the rendezvous of its job (see
+    ``_rounds``), which ``world_size`` is the size of. Ids are chosen, and
+    rounds entered, under a dask lock, so two peers joining at once do not
+    take the same. The peer is noted in ``parts`` as soon as it exists.
+    Without ``secret``, the peer takes the cluster's from the scheduler.
     """
     kwargs = {
         **_peer_options(0, joined, options, secret),
@@ -118,17 +118,26 @@ async def _start_peer(
             raise ValueError(
                 f"rank {rank} is taken by rpc peer {clash[0]!r}; give each a rank of its own"
             )
+        async with distributed.Lock(_rounds.LOCK, scheduler_rpc=peer.scheduler, loop=peer.loop):
+            await _enter_round(peer, rank, world_size)
     else:
         security = options.security or Security()  # (what a worker uses without one)
         async with (
             rpc(address, connection_args=security.get_connection_args("worker")) as scheduler,
-            distributed.Lock("aiopar-rpc-ranks", scheduler_rpc=scheduler, loop=IOLoop.current()),
+            distributed.Lock(_rounds.LOCK, scheduler_rpc=scheduler, loop=IOLoop.current()),
         ):
             identity = await scheduler.identity(n_workers=-1)
             taken = {w["aiopar_id"] for w in identity["workers"].values() if "aiopar_id" in w}
             ids = itertools.count(0) if joined else itertools.count(-1, -1)
             peer = await _registered(new_peer(next(i for i in ids if i not in taken)), name)
+            if joined:
+                await _enter_round(peer, peer.rpc_agent.worker_info.id, world_size)
     return peer
+
+
+async def _enter_round(peer: Peer, rank: int, world_size: int | None) -> None:
+    agent = peer.rpc_agent
+    agent.round = await _rounds.enter(peer.scheduler, agent.token, rank, world_size)
 
 
 async def _registered(peer: Peer, name: str) -> Peer:
@@ -171,11 +180,16 @@ async def _start(
                 address, options.security, options.rpc_timeout
             )
         options = dataclasses.replace(options, security=security)
-    peer = await _start_peer(address, name, rank, True, options, parts, secret)
+    joining = options.init_method is not None
+    peer = await _start_peer(
+        address, name, rank, True, options, parts, secret, world_size if joining else None
+    )
     agent = peer.rpc_agent
     agent.cluster = parts.cluster
-    if world_size is not None and options.init_method is not None:
-        await _wait_for_peers(agent, world_size, options.rpc_timeout)
+    if world_size is not None and joining:
+        assert agent.round is not None
+        await _rounds.wait_for_ranks(peer.scheduler, agent.round, world_size, options.rpc_timeout)
+        await agent.refresh_peers()
     return agent
 
 
@@ -221,29 +235,6 @@ async def _start_embedded(
     await scheduler.set_metadata(keys=[SECRET_KEY], value=secret.hex())
     address: str = cluster.scheduler_address
     return address
-
-
-async def _wait_for_peers(agent: DaskRpcAgent, world_size: int, timeout: float) -> None:
-    """torch's rendezvous: return once ranks 0 to ``world_size - 1`` have
-    each joined the scheduler (counted when they join, so a rank that has
-    joined and left already counts too)."""
-    scheduler = agent.worker.scheduler
-    missing: list[int] = []
-    async for _ in polls(time.monotonic() + timeout if timeout else None):
-        joined = await scheduler.get_metadata(keys=[JOINED_KEY], default={})
-        missing = [rank for rank in range(world_size) if str(rank) not in joined]
-        if not missing:
-            await agent.refresh_peers()
-            return
-    raise TimeoutError(
-        f"init_rpc waited {timeout:g} s for ranks 0 to {world_size - 1} to join, and "
-        f"{_ranks(missing)} did not"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:10])) + (", ..." if len(ranks) > 10 else "")
-    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
 class _LoopThread:

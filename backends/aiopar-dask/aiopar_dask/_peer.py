@@ -29,10 +29,9 @@ from . import _wire
 from ._agent import DaskRpcAgent
 from ._cluster import ClusterWorker
 
-__all__ = ["JOINED_KEY", "SECRET_KEY", "Peer"]
+__all__ = ["SECRET_KEY", "Peer"]
 
 SECRET_KEY = "aiopar-rpc-secret"  # the scheduler's metadata key for the cluster's secret
-JOINED_KEY = "aiopar-rpc-joined"  # and for each rank that joined: {str(rank): name}
 
 _logger = logging.getLogger("aiopar.rpc")
 
@@ -92,9 +91,6 @@ class Peer(ClusterWorker):
 
     async def start_unsafe(self) -> Peer:
         await super().start_unsafe()  # type: ignore[no-untyped-call]
-        peer_id = self.rpc_agent.worker_info.id
-        if peer_id >= 0:  # a rank: world_size counts it from now on, even once it has left
-            await self.scheduler.set_metadata(keys=[JOINED_KEY, str(peer_id)], value=self.name)
         set_current_agent(self.rpc_agent)
         return self
 

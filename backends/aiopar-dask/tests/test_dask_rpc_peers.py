@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import distributed
@@ -179,22 +180,49 @@ def aiopar_worker(scheduler: str, name: str, *more: str) -> subprocess.Popen[str
     )
 
 
-def test_world_size_counts_a_rank_that_joined_and_left(scheduler, leaves_nothing_behind):
-    # torch's rendezvous counts joins: rank 1 has come and gone before rank 0 looks
+def test_each_job_on_a_shared_scheduler_meets_its_own_ranks(scheduler, leaves_nothing_behind):
+    # Two jobs in turn on one scheduler, this process rank 0 of each; their
+    # rank 1 starts once rank 0 waits there. In the first, rank 1 joins and
+    # leaves at once: having joined, it counts. In the second, rank 0 waits
+    # for the second's own rank 1 (the first's once counted, and init_rpc
+    # returned before its rank 1 was there).
     script = """
-        import sys
+        import os, sys
         from aiopar import rpc
 
         options = rpc.RpcBackendOptions(init_method=sys.argv[1])
-        rpc.init_rpc("worker1", rank=1, rpc_backend_options=options)
-        rpc.shutdown(graceful=False)
+        if sys.argv[2] == "leaves":  # no world_size: it does not wait for rank 0
+            rpc.init_rpc("worker1", rank=1, rpc_backend_options=options)
+            rpc.shutdown(graceful=False)
+        else:
+            rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options)
+            print(rpc.rpc_sync("worker0", os.getpid), flush=True)
+            rpc.shutdown()
     """
-    done = run_python(script, scheduler, timeout=60)
-    assert done.returncode == 0, done.stderr
-    rpc.init_rpc(
-        "worker0", rank=0, world_size=2, rpc_backend_options=options(init_method=scheduler)
-    )
-    rpc.shutdown(graceful=False)
+    for how in ("leaves", "stays"):
+        rank_1: list[subprocess.Popen[str]] = []
+
+        def start_rank_1(how: str = how, rank_1: list = rank_1) -> None:
+            if wait_until(lambda: "worker0" in peer_names(scheduler), timeout=60, interval=0.1):
+                rank_1.append(start_python(script, scheduler, how))
+
+        starter = threading.Thread(target=start_rank_1)
+        starter.start()
+        try:
+            rpc.init_rpc(
+                "worker0", rank=0, world_size=2, rpc_backend_options=options(init_method=scheduler)
+            )
+            try:
+                if how == "stays":
+                    assert rpc.rpc_sync("worker1", os.getpid) == rank_1[0].pid
+            finally:
+                rpc.shutdown()
+        finally:
+            starter.join()
+            for proc in rank_1:
+                out, err = proc.communicate(timeout=60)
+                assert proc.returncode == 0, err
+                assert out.split() == ([] if how == "leaves" else [str(os.getpid())])
 
 
 def test_world_size_counts_only_ranks_below_it(scheduler, leaves_nothing_behind):
