@@ -204,8 +204,10 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     ``worker_name`` may also be a peer's id (its rank). A peer that joined
     since this process last looked is found too (aiopar-dask asks the
     scheduler again before it gives up). Raises ValueError listing the peers
-    if there is none by that name or id, TypeError for a ``worker_name``
-    that is neither, and RuntimeError if this process is not a peer.
+    if there is none by that name or id, RuntimeError naming a peer that
+    was there and has left or died (:class:`aiopar.BrokenWorkerError` with
+    aiopar-dask), TypeError for a ``worker_name`` that is neither, and
+    RuntimeError if this process is not a peer.
     """
     agent = _agent.current_agent()
     if worker_name is None:
@@ -262,8 +264,9 @@ def rpc_async(
       the ``rpc_timeout`` of :func:`init_rpc`'s options, 60 s unless set;
       0, None or ``float("inf")``: no limit, as is any number of seconds
       too large for a lock to wait, ``threading.TIMEOUT_MAX``);
-    - or an error naming the peer soon after it dies or cannot be reached
-      (:class:`aiopar.BrokenWorkerError` with aiopar-dask), or RuntimeError
+    - or an error naming the peer, saying that it left or died, as soon as
+      its connection breaks or it cannot be reached (a RuntimeError:
+      :class:`aiopar.BrokenWorkerError` with aiopar-dask), or RuntimeError
       if this peer shuts down before the reply comes.
 
     Cancelling the future only stops waiting for it: the call still runs
@@ -271,7 +274,9 @@ def rpc_async(
 
     It raises at once, before the call is sent:
 
-    - RuntimeError if this process is not a peer;
+    - RuntimeError if this process is not a peer, and for a ``to`` that
+      has left or died once this peer knows it (aiopar-dask:
+      :class:`aiopar.BrokenWorkerError`, naming it);
     - ValueError listing the peers for an unknown ``to``, and for a
       ``timeout`` that is not -1, None or a number of seconds >= 0 (NaN
       is not);

@@ -207,7 +207,9 @@ class RpcAgent(ABC):
     def peer(self, to: str | int) -> WorkerInfo:
         """The peer called ``to`` (a name) or ranked ``to`` (an id).
 
-        Raises ValueError naming the peers there are if there is none.
+        Raises ValueError naming the peers there are if there is none, and
+        RuntimeError (a :class:`aiopar.BrokenWorkerError`) naming a peer
+        that was there and has left or died.
         """
 
     @abstractmethod

@@ -77,6 +77,7 @@ class DaskRpcAgent(RpcAgent):
         self._secret: bytes | None = None  # the cluster's, once this peer listens
         self._lock = threading.Lock()
         self._peers: dict[str, _Where] = {}  # by name
+        self._departed: dict[str, _Where] = {}  # by name: peers seen that have gone since
         self._links: dict[str, Link] = {}  # by callee name
         self._settler = Settler("rpc")
         self._timeouts = Timeouts(self._settler.call)
@@ -155,6 +156,12 @@ class DaskRpcAgent(RpcAgent):
             self._run(self.refresh_peers())
             found = self._lookup(to)
         if found is None:
+            gone = self._lookup(to, self._departed)
+            if gone is not None:
+                raise aiopar.BrokenWorkerError(
+                    f"rpc peer {gone.info.name!r} (id {gone.info.id}) has left or died: the "
+                    f"scheduler no longer lists it (it was at {gone.address})"
+                )
             listing = ", ".join(f"{info.name} (id {info.id})" for info in self.peers()) or "none"
             what = f"called {to!r}" if isinstance(to, str) else f"with id {to}"
             if self._scheduler_gone is not None:
@@ -195,9 +202,12 @@ class DaskRpcAgent(RpcAgent):
             link.call(future, what, frames, timeout)
         except (OSError, aiopar.BrokenWorkerError) as exc:
             with self._lock:
-                self._peers.pop(to.name, None)  # it may come back elsewhere: look again next time
+                found = self._peers.get(to.name)
+                if found is not None:
+                    self._depart(to.name, found.address)
             error = aiopar.BrokenWorkerError(
-                f"rpc peer {to.name!r} cannot be reached ({type(exc).__name__}: {exc})"
+                f"rpc peer {to.name!r} cannot be reached, it may have left or died "
+                f"({type(exc).__name__}: {exc})"
             )
             error.__cause__ = exc
             fail(future, error)
@@ -220,11 +230,13 @@ class DaskRpcAgent(RpcAgent):
         """The scheduler is gone: the peers known now are all this peer will know."""
         self._scheduler_gone = reason
 
-    def _lookup(self, to: str | int) -> _Where | None:
+    def _lookup(self, to: str | int, among: dict[str, _Where] | None = None) -> _Where | None:
+        """The peer called or ranked ``to`` among the peers (or ``among``)."""
         with self._lock:
+            where = self._peers if among is None else among
             if isinstance(to, str):
-                return self._peers.get(to)
-            return next((p for p in self._peers.values() if p.info.id == to), None)
+                return where.get(to)
+            return next((p for p in where.values() if p.info.id == to), None)
 
     async def refresh_peers(self) -> None:
         """Look the peers up on the scheduler again."""
@@ -240,7 +252,18 @@ class DaskRpcAgent(RpcAgent):
             if "aiopar_id" in w
         }
         with self._lock:
+            for name in self._peers.keys() - peers.keys():
+                self._departed[name] = self._peers[name]
+            for name in peers.keys() & self._departed.keys():
+                del self._departed[name]  # back (a nanny restarted it)
             self._peers = peers
+
+    def _depart(self, name: str, address: str) -> None:
+        """The peer ``name`` at ``address`` cannot be reached: look it up
+        again next time (it may be back elsewhere). With the lock held."""
+        found = self._peers.get(name)
+        if found is not None and found.address == address:
+            self._departed[name] = self._peers.pop(name)
 
     def _link(self, name: str) -> Link:
         """The link to ``name``, connected on first use (in the calling thread)."""
@@ -284,9 +307,7 @@ class DaskRpcAgent(RpcAgent):
         with self._lock:
             if self._links.get(link.name) is link:
                 del self._links[link.name]
-            found = self._peers.get(link.name)
-            if found is not None and found.address == link.address:
-                del self._peers[link.name]
+            self._depart(link.name, link.address)
 
     # -- the callee's side ----------------------------------------------------------------
 

@@ -145,8 +145,8 @@ class Link:
 
     def _gone(self, exc: BaseException, during: str) -> aiopar.BrokenWorkerError:
         return aiopar.BrokenWorkerError(
-            f"rpc peer {self.name!r} ({self.address}) is gone: the connection to it broke"
-            f"{during} ({type(exc).__name__}: {exc})"
+            f"rpc peer {self.name!r} ({self.address}) has left or died: the connection to it "
+            f"broke{during} ({type(exc).__name__}: {exc})"
         )
 
 

@@ -225,6 +225,34 @@ def test_each_job_on_a_shared_scheduler_meets_its_own_ranks(scheduler, leaves_no
                 assert out.split() == ([] if how == "leaves" else [str(os.getpid())])
 
 
+def test_a_call_to_a_peer_that_died_says_so_and_a_misspelt_name_is_no_peer(
+    scheduler, leaves_nothing_behind
+):
+    helper = aiopar_worker(scheduler, "helper")
+    try:
+        assert "serves at" in helper.stderr.readline()
+        rpc.init_rpc("main", rpc_backend_options=options(init_method=scheduler))
+        try:
+            pending = rpc.rpc_async("helper", time.sleep, args=(60,))
+            helper.kill()
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"'helper' .* has left or died"):
+                pending.wait(timeout=30)  # at once: its connection broke
+            assert time.monotonic() - start < 10
+            assert wait_until(lambda: "helper" not in peer_names(scheduler), timeout=30)
+            # torch's users catch RuntimeError; the message names the peer
+            with pytest.raises(RuntimeError, match=r"rpc peer 'helper' \(id -1\) has left or died"):
+                rpc.rpc_sync("helper", abs, args=(-1,))
+            with pytest.raises(ValueError, match="there is no rpc peer called 'helpr'"):
+                rpc.rpc_sync("helpr", abs, args=(-1,))
+        finally:
+            rpc.shutdown()
+    finally:
+        helper.kill()
+        helper.wait()
+        helper.stderr.close()
+
+
 def test_world_size_counts_only_ranks_below_it(scheduler, leaves_nothing_behind):
     server = aiopar_worker(scheduler, "server", "--rank", "7")
     try:
