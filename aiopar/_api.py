@@ -9,16 +9,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, PENDING, RUNNING
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
 import anyio
 
 from . import _loop
-from ._blocking import check_timeout
+from ._blocking import check_timeout, help_first
 from ._config import current_backend
-from ._errors import CancelledError
-from ._future import Future, copy_outcome
+from ._future import FailureWatch, Future, copy_outcome
 from ._interop import describe_type, has_future_protocol, not_a_future_message
 
 __all__ = [
@@ -35,6 +35,10 @@ __all__ = [
 
 T = TypeVar("T")
 P = ParamSpec("P")
+
+# Future states read without a call (see aiopar._future).
+_WAITING = (PENDING, RUNNING)
+_CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
 
 
 @overload
@@ -83,7 +87,11 @@ def _check_future(fut: Future[T], where: str) -> Future[T]:
 def _future_list(futs: Iterable[Future[Any]], where: str) -> list[Future[Any]]:
     if isinstance(futs, Future):
         raise TypeError(f"{where} takes an iterable of futures, got a single Future")
-    return [_check_future(f, where) for f in futs]
+    futures = list(futs)
+    for fut in futures:  # _check_future() inline: a batch of forks pays no call each
+        if not isinstance(fut, Future):
+            raise TypeError(not_a_future_message(fut, where))
+    return futures
 
 
 def collect_all(futs: Iterable[Future[T]]) -> Future[list[Future[T]]]:
@@ -94,7 +102,7 @@ def collect_all(futs: Iterable[Future[T]]) -> Future[list[Future[T]]]:
     first error once all are done: see docs/then.md).
     """
     futures = _future_list(futs, "collect_all()")
-    return _when_all(futures, futures, fail_fast=False)
+    return _when_all(futures, futures)
 
 
 def wait_all(futs: Iterable[Future[T]]) -> list[T]:
@@ -132,43 +140,51 @@ def _first_failed(futures: list[Future[Any]]) -> int | None:
     index = _index_of_failed(futures)
     if index is not None:
         return index
-    pending = [fut for fut in futures if not fut.done()]
+    pending = [fut for fut in futures if fut._state in _WAITING]
     if not pending:
         return None
     if len(pending) == 1:
         pending[0]._block(None)  # runs its task here if it has not started
     else:
-        _when_all(pending, None, fail_fast=True)._block(None)
+        _wait_unless_one_fails(pending)
     pending.clear()
     return _index_of_failed(futures)
+
+
+def _wait_unless_one_fails(pending: list[Future[Any]]) -> None:
+    """Block until all of ``pending`` are done or one of them fails or is
+    cancelled, running none of their tasks here (a task this thread ran
+    could not be stopped when another failed), except that a pool's worker
+    first runs its own queued forks, as before any wait."""
+    with FailureWatch(pending) as watch:
+        # Newest first: forks run in about the order they were made, so the
+        # thread blocks about once, not once per future.
+        for fut in reversed(pending):
+            if fut._state in _WAITING:
+                help_first(fut, None, None)  # a pool's worker runs its queued forks first
+                if fut._state in _WAITING and not watch.failed:
+                    fut._sleep(None, fut._task, watch)
+            if watch.failed:
+                return
 
 
 def _index_of_failed(futures: list[Future[Any]]) -> int | None:
     """The index of the first of ``futures`` that failed or was cancelled, or None."""
     for index, fut in enumerate(futures):
-        if fut._exception is not None or fut.cancelled():
+        if fut._exception is not None or fut._state in _CANCELLED:
             del fut  # no cycle: see _first_failed
             return index
     return None
 
 
-def _when_all(futures: list[Future[Any]], value: T, *, fail_fast: bool) -> Future[T]:
-    """A future settled with ``value`` once all of ``futures`` are done; with
-    ``fail_fast``, failed as soon as one of them fails or is cancelled."""
+def _when_all(futures: list[Future[Any]], value: T) -> Future[T]:
+    """A future settled with ``value`` once all of ``futures`` are done."""
     outcome: Future[T] = Future()
     remaining = len(futures)
     lock = threading.Lock()
 
-    def one_done(fut: Future[Any]) -> None:
+    def one_done(_: Future[Any]) -> None:
         nonlocal remaining
-        if fail_fast:
-            if fut.cancelled():
-                outcome._settle(None, CancelledError(f"{fut!r} was cancelled"))
-            elif fut._exception is not None:
-                outcome._settle(None, fut._retrieve())
-            # It only mirrors a failure its caller sees, or stopped waiting
-            # for (Ctrl-C): never one to report at collection.
-            outcome._retrieve()
         with lock:
             remaining -= 1
             last = remaining == 0

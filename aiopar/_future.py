@@ -42,7 +42,7 @@ from ._errors import CancelledError, InvalidStateError
 from ._interop import CfCondition, LoopCallback, adapt_callback, describe_type
 from ._unretrieved import Unretrieved
 
-__all__ = ["Future", "copy_outcome"]
+__all__ = ["FailureWatch", "Future", "copy_outcome"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -51,6 +51,10 @@ U = TypeVar("U")
 # call, where done() would, on the blocking path whose calls
 # tests/test_overhead.py counts.
 _WAITING = (PENDING, RUNNING)
+
+# The FailureWatch objects of threads blocked in wait_all: a future that
+# fails or is cancelled tells them; one that succeeds costs nothing here.
+_watches: list[FailureWatch] = []
 
 _DESCRIPTIONS = {
     PENDING: "pending",
@@ -148,6 +152,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             self._waiters = self._callbacks = None
         if waiters or callbacks:
             _notify(self, waiters, callbacks)
+        if _watches:
+            _tell_watches(self)
         return True
 
     # -- settling ----------------------------------------------------------
@@ -209,6 +215,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             lock.release()
         if waiters or callbacks:
             _notify(self, waiters, callbacks)
+        if exception is not None and _watches:
+            _tell_watches(self)
         return True
 
     # -- reading -----------------------------------------------------------
@@ -302,9 +310,10 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             return True
         return self._sleep(timeout, task)
 
-    def _sleep(self, timeout: float | None, task: Any) -> bool:
+    def _sleep(self, timeout: float | None, task: Any, watch: FailureWatch | None = None) -> bool:
         """Block this thread until the future is done or ``timeout`` passes
-        (``task``, the future's, is the profiler's); True if done."""
+        (``task``, the future's, is the profiler's), or, with ``watch``,
+        until one of the futures it watches fails; True if done."""
         if task is not None and task.runs_on_this_thread():
             raise RuntimeError(
                 f"{self!r} is a coroutine fork that runs on this thread's event loop, which "
@@ -324,13 +333,22 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 self._waiters.append(waiter)
         released = False
         try:
-            released = block(waiter, timeout, task)
+            if watch is None or watch.sleeps(self, waiter):
+                released = block(waiter, timeout, task)
         finally:
-            if not released:  # timed out, or interrupted (Ctrl-C)
-                with self._lock:
-                    if self._waiters is not None and waiter in self._waiters:
-                        self._waiters.remove(waiter)
+            if watch is not None:
+                watch.woke()
+            if not released:  # timed out, interrupted (Ctrl-C), or a watched future failed
+                self._forget_waiter(waiter)
         return self._state not in _WAITING
+
+    def _forget_waiter(self, waiter: threading.Lock) -> bool:
+        """Take ``waiter`` off this future's list; False if settling took it already."""
+        with self._lock:
+            if self._waiters is not None and waiter in self._waiters:
+                self._waiters.remove(waiter)
+                return True
+            return False
 
     # -- callbacks ---------------------------------------------------------
 
@@ -525,6 +543,58 @@ def copy_outcome(source: Any, target: Future[Any]) -> None:
     except BaseException as error:
         target._settle(None, error)
         del source, target  # the error's traceback holds this frame: no cycle (see Future)
+
+
+class FailureWatch:
+    """Wakes a thread blocked on one of ``futures`` when another of them
+    fails or is cancelled: wait_all's "raises as soon as one fails" without
+    a callback on each future (a batch of forks that all succeed pays
+    nothing for it). Active inside its ``with`` block."""
+
+    __slots__ = ("_futures", "_lock", "_sleeping", "failed")
+
+    def __init__(self, futures: list[Future[Any]]) -> None:
+        self._futures = set(futures)
+        self._lock = threading.Lock()
+        self._sleeping: tuple[Future[Any], threading.Lock] | None = None
+        self.failed = False
+
+    def __enter__(self) -> FailureWatch:
+        _watches.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _watches.remove(self)
+
+    def sleeps(self, fut: Future[Any], waiter: threading.Lock) -> bool:
+        """The watching thread is about to block on ``waiter``, which ``fut``
+        releases; False if a watched future has failed already."""
+        with self._lock:
+            if self.failed:
+                return False
+            self._sleeping = (fut, waiter)
+            return True
+
+    def woke(self) -> None:
+        with self._lock:
+            self._sleeping = None
+
+    def saw_failure(self, fut: Future[Any]) -> None:
+        """``fut`` failed or was cancelled: if it is watched, wake the watcher."""
+        if fut not in self._futures:
+            return
+        with self._lock:
+            self.failed = True
+            sleeping, self._sleeping = self._sleeping, None
+        # Released here only if its future's settling has not taken it: a
+        # lock released twice would raise in the thread that settles.
+        if sleeping is not None and sleeping[0]._forget_waiter(sleeping[1]):
+            sleeping[1].release()
+
+
+def _tell_watches(fut: Future[Any]) -> None:
+    for watch in list(_watches):
+        watch.saw_failure(fut)
 
 
 def _notify(fut: Future[Any], waiters: list[Any] | None, callbacks: list[Any] | None) -> None:

@@ -464,28 +464,33 @@ def test_wait_all_raises_without_waiting_for_the_others() -> None:
     with pytest.raises(ValueError, match="Expected error"):
         aiopar.wait_all([pending, failed])
 
-    # The same when the failure comes while wait_all() is blocked.
-    late: Future[int] = Future()
-    outcome: queue.Queue[BaseException | list[int]] = queue.Queue()
+    # The same when the failure comes while wait_all() is blocked, on the
+    # failing future or on another one.
+    for failing_last in (True, False):
+        late: Future[int] = Future()
+        futures = [pending, late] if failing_last else [late, pending]
+        outcome: queue.Queue[BaseException | list[int]] = queue.Queue()
 
-    def call_wait_all() -> None:
-        try:
-            outcome.put(aiopar.wait_all([pending, late]))
-        except BaseException as exc:
-            outcome.put(exc)
+        def call_wait_all(
+            futures: list[Future[int]], outcome: queue.Queue[BaseException | list[int]]
+        ) -> None:
+            try:
+                outcome.put(aiopar.wait_all(futures))
+            except BaseException as exc:
+                outcome.put(exc)
 
-    waiter = threading.Thread(target=call_wait_all, daemon=True)
-    waiter.start()
-    # Private, read only: the callback wait_all() has put on ``late`` to hear of it.
-    deadline = time.monotonic() + 20
-    while not late._callbacks and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert late._callbacks, "wait_all() never started waiting on the future"
-    late.set_exception(ValueError("late error"))
-    error = outcome.get(timeout=30)
-    join(waiter)
-    assert isinstance(error, ValueError) and str(error) == "late error"
-    assert not pending.done()
+        waiter = threading.Thread(target=call_wait_all, args=(futures, outcome), daemon=True)
+        waiter.start()
+        # Private, read only: the lock wait_all() blocks on, on one of them.
+        deadline = time.monotonic() + 20
+        while not (late._waiters or pending._waiters) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert late._waiters or pending._waiters, "wait_all() never blocked"
+        late.set_exception(ValueError("late error"))
+        error = outcome.get(timeout=30)
+        join(waiter)
+        assert isinstance(error, ValueError) and str(error) == "late error"
+        assert not pending.done()
 
 
 def test_callbacks_of_a_future_settled_in_a_callback_run_after_it() -> None:
