@@ -373,7 +373,9 @@ def _add_worker(commands: Any) -> None:
         "NAME, and serve calls until interrupted or the scheduler goes away. Needs an rpc "
         "engine (pip install aiopar-dask).",
     )
-    worker.add_argument("--scheduler", required=True, metavar="ADDRESS", help="tcp://host:port")
+    worker.add_argument(
+        "--scheduler", required=True, metavar="ADDRESS", help="tcp://host:port (tls:// with TLS)"
+    )
     worker.add_argument("--name", required=True, help="this peer's unique name")
     worker.add_argument(
         "--rank",
@@ -385,16 +387,31 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--nthreads", type=_positive_int, default=16, metavar="N", help="calls run at once"
     )
+    tls = worker.add_argument_group(
+        "TLS (as dask worker's; what is not given comes from dask's distributed.comm.tls "
+        "configuration)"
+    )
+    pem = {"type": _pem_file, "metavar": "PEM"}
+    tls.add_argument("--tls-ca-file", **pem, help="CA certificate(s) to trust")
+    tls.add_argument("--tls-cert", **pem, help="this peer's certificate")
+    tls.add_argument("--tls-key", **pem, help="this peer's private key")
     worker.set_defaults(run=run_worker)
+
+
+def _pem_file(text: str) -> str:
+    if not os.path.isfile(text) or not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file this user can read")
+    return text
 
 
 def run_worker(args: argparse.Namespace) -> int:
     from .rpc import RpcBackendOptions
-    from .rpc.agent import serve_peer
+    from .rpc.agent import TlsFiles, serve_peer
 
     options = RpcBackendOptions(num_worker_threads=args.nthreads)
+    tls = TlsFiles(args.tls_ca_file, args.tls_cert, args.tls_key)
     try:
-        serve_peer(args.scheduler, args.name, args.rank, options)
+        serve_peer(args.scheduler, args.name, args.rank, options, tls=tls)
     except (RuntimeError, ValueError, OSError) as exc:
         raise UsageError(f"aiopar worker: {exc}") from exc
     return 0

@@ -40,6 +40,7 @@ __all__ = [
     "RpcAgent",
     "RpcBackendOptions",
     "RpcEngine",
+    "TlsFiles",
     "WorkerInfo",
     "check_address",
     "check_peer_name",
@@ -179,6 +180,17 @@ def check_address(address: object, what: str) -> None:
         raise ValueError(f"{what} is {example}, got {address!r}: port 0 is no scheduler's")
 
 
+class TlsFiles(NamedTuple):
+    """TLS certificates in PEM files, as ``aiopar worker`` takes them (the
+    options of ``dask worker``): the certificate authority's, and this
+    peer's certificate and key. A field left None is the engine's default
+    (for aiopar-dask, dask's ``distributed.comm.tls`` configuration)."""
+
+    ca_file: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
 TensorPipeRpcBackendOptions = RpcBackendOptions
 """torch's name for the options of its default backend: :class:`RpcBackendOptions` itself."""
 
@@ -256,9 +268,16 @@ class RpcEngine(Protocol):
         """
 
     def serve(
-        self, scheduler: str, name: str, rank: int | None, options: RpcBackendOptions
+        self,
+        scheduler: str,
+        name: str,
+        rank: int | None,
+        options: RpcBackendOptions,
+        tls: TlsFiles | None = None,
     ) -> None:
-        """Run the peer ``name`` in this process until it is interrupted (``aiopar worker``)."""
+        """Run the peer ``name`` in this process until it is interrupted
+        (``aiopar worker``), reaching the scheduler with the certificates of
+        ``tls`` (None: the engine's own TLS configuration)."""
 
 
 _current: RpcAgent | None = None
@@ -447,9 +466,11 @@ def serve_peer(
     options: RpcBackendOptions | None = None,
     *,
     backend: str | None = None,
+    tls: TlsFiles | None = None,
 ) -> None:
     """Run this process as the peer ``name`` of the cluster at ``scheduler``
-    until it is interrupted (what ``aiopar worker`` does)."""
+    until it is interrupted (what ``aiopar worker`` does), with the TLS
+    certificates of ``tls``."""
     check_peer_name(name)
     check_address(scheduler, "scheduler")
-    find_engine(backend).serve(scheduler, name, rank, options or RpcBackendOptions())
+    find_engine(backend).serve(scheduler, name, rank, options or RpcBackendOptions(), tls)

@@ -28,7 +28,12 @@ from distributed.core import rpc
 from tornado.ioloop import IOLoop
 
 from aiopar.lowlevel import at_exit
-from aiopar.rpc.agent import RpcBackendOptions, current_agent_or_none, set_current_agent
+from aiopar.rpc.agent import (
+    RpcBackendOptions,
+    TlsFiles,
+    current_agent_or_none,
+    set_current_agent,
+)
 
 from . import _rendezvous, _rounds, _wire
 from ._agent import DaskRpcAgent, close_peer
@@ -305,12 +310,21 @@ class _Engine:
         return agent
 
     def serve(
-        self, scheduler: str, name: str, rank: int | None, options: RpcBackendOptions
+        self,
+        scheduler: str,
+        name: str,
+        rank: int | None,
+        options: RpcBackendOptions,
+        tls: TlsFiles | None = None,
     ) -> None:
         """Run the peer ``name`` on ``scheduler`` in this process until it is
         interrupted (SIGINT, SIGTERM) or the scheduler goes away, saying on
-        stderr what it serves once it has joined, and why it stopped."""
+        stderr what it serves once it has joined, and why it stopped. Its
+        TLS is what ``tls`` gives, the rest from dask's configuration, as
+        ``dask worker`` takes them (the options' ``security`` wins)."""
         _check_security(options.security)
+        if options.security is None:
+            options = dataclasses.replace(options, security=_dask_worker_tls(tls or TlsFiles()))
 
         async def main() -> None:
             address, security = await _rendezvous.join(
@@ -355,6 +369,24 @@ def _check_security(security: object) -> None:
             f"(such as Security.temporary()), False for no TLS, or None, "
             f"got {type(security).__name__}"
         )
+
+
+def _dask_worker_tls(tls: TlsFiles) -> Security | None:
+    """The security of ``dask worker --tls-ca-file ... --tls-cert ... --tls-key ...``
+    (what is not given comes from dask's configuration); None if neither
+    asks for TLS."""
+    given = {
+        field: value
+        for field, value in (
+            ("tls_ca_file", tls.ca_file),
+            ("tls_worker_cert", tls.cert),
+            ("tls_worker_key", tls.key),
+        )
+        if value is not None
+    }
+    security = Security(**given)
+    configured = security.get_tls_config_for_role("worker")["ca_file"] is not None
+    return security if security.require_encryption or configured else None
 
 
 def _undo(runner: _LoopThread, parts: _Parts) -> None:

@@ -28,15 +28,14 @@ from distributed.comm.addressing import parse_address, parse_host_port, unparse_
 
 from . import _credentials
 from ._cluster import cluster_security, scheduler_spec
-from ._reach import RETRY, accepts, check_scheduler
+from ._reach import RETRY, TLS_ADVICE, accepts, check_scheduler
 
 __all__ = ["RendezvousScheduler", "endpoint", "host", "join"]
 
 RENDEZVOUS_TLS_ADVICE = (
-    "the scheduler that rank 0 starts at a tcp:// rendezvous makes its TLS certificates as it "
-    "starts, and only the ranks of rank 0's machine can read them: give every rank "
-    "RpcBackendOptions(security=distributed.Security(...)) with certificates of yours, "
-    "or security=False to every rank (no TLS)"
+    f"{TLS_ADVICE}; or security=False to every rank, for no TLS (the scheduler that rank 0 "
+    f"starts at a tcp:// rendezvous makes its certificates as it starts, and only the ranks "
+    f"of rank 0's machine can read them)"
 )
 
 
@@ -137,7 +136,7 @@ async def join(
             address = f"tls://{unparse_host_port(*where)}"
     left = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
     advice = {"tls_advice": RENDEZVOUS_TLS_ADVICE} if where is not None else {}
-    await check_scheduler(address, found, left, **advice)
+    await check_scheduler(address, found, left, role="worker", **advice)  # a peer is a worker
     return address, found
 
 
