@@ -387,6 +387,12 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--nthreads", type=_positive_int, default=16, metavar="N", help="calls run at once"
     )
+    worker.add_argument(
+        "--run-tasks",
+        action="store_true",
+        help="also run the dask tasks of the scheduler's clients, as an ordinary worker "
+        "(default: calls only)",
+    )
     tls = worker.add_argument_group(
         "TLS (as dask worker's; what is not given comes from dask's distributed.comm.tls "
         "configuration)"
@@ -408,7 +414,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from .rpc import RpcBackendOptions
     from .rpc.agent import TlsFiles, serve_peer
 
-    options = RpcBackendOptions(num_worker_threads=args.nthreads)
+    options = RpcBackendOptions(num_worker_threads=args.nthreads, run_tasks=args.run_tasks)
     tls = TlsFiles(args.tls_ca_file, args.tls_cert, args.tls_key)
     try:
         serve_peer(args.scheduler, args.name, args.rank, options, tls=tls)

@@ -132,25 +132,34 @@ class RpcBackendOptions:
     as they start, which the ranks of rank 0's machine find, and a peer
     that joins another scheduler uses none; False: no TLS at all).
 
+    ``run_tasks`` makes the peer of this process run, besides its calls,
+    the tasks that any client of its cluster submits (for aiopar-dask, dask
+    tasks); by default a peer runs none, and is no ordinary worker of a
+    cluster that has some. (The peers that an embedded cluster starts run
+    its tasks: they are its only workers.)
+
     Raises ValueError for an ``rpc_timeout`` that is not a number >= 0, a
     ``num_worker_threads`` that is not a whole number >= 1, and an
     ``init_method`` other than ``"env://"`` with no host or a port outside
-    1-65535; TypeError for
-    an ``init_method`` that is not a string or None, and a ``security``
-    that is plain data (such as ``"tls"``, or True) rather than an engine's
-    object or False.
+    1-65535; TypeError for an ``init_method`` that is not a string or
+    None, a ``security`` that is plain data (such as ``"tls"``, or True)
+    rather than an engine's object or False, and a ``run_tasks`` that is
+    not a bool.
     """
 
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
     init_method: str | None = None
     num_worker_threads: int = 16
     security: Any = None
+    run_tasks: bool = False
 
     def __post_init__(self) -> None:
         check_rpc_timeout(self.rpc_timeout)
         if self.init_method is not None and self.init_method != ENV:
             check_address(self.init_method, "init_method")
         check_count(self.num_worker_threads, "num_worker_threads")
+        if not isinstance(self.run_tasks, bool):
+            raise TypeError(f"run_tasks is True or False, got {self.run_tasks!r}")
         if self.security is not False and isinstance(
             self.security, str | bytes | int | float | dict | list | tuple
         ):

@@ -54,6 +54,7 @@ def _peer_options(
         "joined": joined,
         "rpc_secret": secret,
         "rpc_timeout": options.rpc_timeout,
+        "run_tasks": options.run_tasks,
         "nthreads": options.num_worker_threads,
         "security": options.security,
         "silence_logs": logging.WARN,  # as quiet as a LocalCluster
@@ -221,6 +222,7 @@ async def _start_embedded(
                 "cls": FreshNanny,
                 "options": {
                     **_peer_options(peer_rank, False, options, secret),
+                    "run_tasks": True,  # the cluster's only workers, which no stranger reaches
                     "name": peer_name,
                     "worker_class": Peer,
                     "host": LOOPBACK,

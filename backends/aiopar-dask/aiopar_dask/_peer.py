@@ -7,6 +7,13 @@ goes on serving and calling the peers it knows when the scheduler is gone
 (a dask worker would close itself). A peer that ``aiopar worker`` or a
 nanny runs leaves then, as dask workers do.
 
+A peer runs no dask task, from the peers' clients or any other client of
+its scheduler, unless it is asked to (``run_tasks``): a trainer is no
+ordinary worker. It tells the scheduler that it is paused, dask's own
+"give me no new task" (the scheduler assigns tasks to running workers
+only, also tasks restricted to the paused one), from the moment it
+registers, and it has no memory pause of its own to resume from.
+
 The peers of a cluster share a secret that each connection between them
 proves (see ``_wire``): ``init_rpc`` gives its embedded cluster's peers one,
 and the first peer to join a scheduler makes it and leaves it in the
@@ -62,7 +69,8 @@ class Peer(ClusterWorker):
     shutdown waits for those, and they outlive the scheduler. ``rpc_timeout``
     is the default timeout of the calls made from this process.
     ``rpc_secret`` is the cluster's secret; without it, the peer takes the
-    one in the scheduler's metadata (making it if it is the first).
+    one in the scheduler's metadata (making it if it is the first). With
+    ``run_tasks``, it also runs dask tasks as any worker does.
     """
 
     def __init__(
@@ -72,10 +80,12 @@ class Peer(ClusterWorker):
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         joined: bool = False,
         rpc_secret: bytes | None = None,
+        run_tasks: bool = False,
         **kwargs: Any,
     ) -> None:
         token = uuid.uuid4().hex
         self.rpc_secret = rpc_secret
+        self.run_tasks = run_tasks  # (before the worker sets its status)
         kwargs["startup_information"] = {
             **kwargs.get("startup_information", {}),
             "aiopar_id": _Value(peer_id),
@@ -86,8 +96,16 @@ class Peer(ClusterWorker):
         }
         kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)
+        if not run_tasks:  # nothing to pause for memory, nor to resume from
+            self.memory_manager.memory_pause_fraction = False
         self.joined = joined
         self.rpc_agent = DaskRpcAgent(self, peer_id, rpc_timeout, token)
+
+    @distributed.Worker.status.setter  # type: ignore[untyped-decorator]
+    def status(self, value: Status) -> None:
+        if value == Status.running and not self.run_tasks:
+            value = Status.paused  # what the scheduler hears as it registers: no task comes
+        distributed.Worker.status.__set__(self, value)
 
     async def start_unsafe(self) -> Peer:
         await super().start_unsafe()  # type: ignore[no-untyped-call]

@@ -277,10 +277,10 @@ def test_peers_that_know_each_other_outlive_their_scheduler():
         in_flight = rpc.rpc_async("b", after_timer, args=(1.0, "in-flight"))
         scheduler.kill()
         scheduler.wait()
-        running = agent._worker.status.name == "running"
-        while running and getattr(agent, "_scheduler_gone", None) is None:  # b's link is up
+        serving = agent._worker.status.name == "paused"  # (a peer runs no dask task)
+        while serving and getattr(agent, "_scheduler_gone", None) is None:  # b's link is up
             time.sleep(0.05)
-            running = agent._worker.status.name == "running"
+            serving = agent._worker.status.name == "paused"
         print(in_flight.wait())
         print(rpc.rpc_sync("b", np.add, args=(2, 3)))
         print(rpc.remote("b", np.add, args=(3, 3)).to_here())

@@ -253,6 +253,34 @@ def test_a_call_to_a_peer_that_died_says_so_and_a_misspelt_name_is_no_peer(
         helper.stderr.close()
 
 
+def on_which_worker() -> str:
+    return str(distributed.get_worker().name)
+
+
+def test_peers_run_no_task_of_the_schedulers_clients_unless_asked(leaves_nothing_behind):
+    # A peer of this process beside an ordinary dask worker: a client of
+    # the same scheduler had most of its tasks run inside the peer.
+    with loopback_cluster(n_workers=1) as cluster:
+        address = cluster.scheduler_address
+        (ordinary,) = (str(worker.name) for worker in cluster.workers.values())
+        rpc.init_rpc("trainer", rpc_backend_options=options(init_method=address))
+        helper = None
+        try:
+            with distributed.Client(address, timeout=30) as client:
+                tasks = [client.submit(on_which_worker, pure=False) for _ in range(20)]
+                assert set(client.gather(tasks)) == {ordinary}
+                # asked to, a peer runs them as any worker does
+                helper = aiopar_worker(address, "helper", "--run-tasks")
+                assert "serves at" in helper.stderr.readline()
+                task = client.submit(os.getpid, workers=["helper"], pure=False)
+                assert task.result(timeout=60) == helper.pid
+        finally:
+            rpc.shutdown()
+            if helper is not None:
+                helper.send_signal(signal.SIGTERM)
+                helper.communicate(timeout=60)
+
+
 def test_world_size_counts_only_ranks_below_it(scheduler, leaves_nothing_behind):
     server = aiopar_worker(scheduler, "server", "--rank", "7")
     try:
