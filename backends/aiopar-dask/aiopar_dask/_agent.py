@@ -30,6 +30,7 @@ from aiopar.rpc.agent import RpcAgent, WorkerInfo, run_callee
 
 from . import _errors, _rounds, _wire
 from ._link import Link, Timeouts, fail
+from ._script import script_identity
 from ._settle import Settler
 from ._worker import Seceder
 
@@ -60,6 +61,7 @@ class _Where(NamedTuple):
     address: str  # its dask worker's
     port: int  # its rpc listener's, on the address's host
     local: str | None  # its Unix socket's name, for peers of its machine
+    script: str | None  # what it runs as __main__ (see _script)
 
 
 class DaskRpcAgent(RpcAgent):
@@ -189,7 +191,7 @@ class DaskRpcAgent(RpcAgent):
         if self._stopped is not None:
             raise RuntimeError(f"this rpc peer has shut down: {self._stopped}")
         try:
-            frames = _wire.dumps((fn, args, kwargs))
+            frames = _wire.dumps((fn, args, kwargs), self._same_script(to.name))
         except (TypeError, AttributeError, pickle.PicklingError) as exc:  # what cannot pickle
             raise TypeError(
                 f"the call of {_name(fn)} to {to.name!r} cannot be sent: "
@@ -247,6 +249,7 @@ class DaskRpcAgent(RpcAgent):
                 a,
                 w["aiopar_rpc_port"],
                 w.get("aiopar_rpc_local"),
+                w.get("aiopar_script"),
             )
             for a, w in identity["workers"].items()
             if "aiopar_id" in w
@@ -257,6 +260,21 @@ class DaskRpcAgent(RpcAgent):
             for name in peers.keys() & self._departed.keys():
                 del self._departed[name]  # back (a nanny restarted it)
             self._peers = peers
+
+    def _same_script(self, name: str) -> bool:
+        """Whether the peer called ``name`` runs this process's script as
+        its ``__main__``: what this process sends it of ``__main__`` goes
+        by name (see ``_script``)."""
+        found = self._lookup(name)
+        return found is not None and found.script is not None and found.script == script_identity()
+
+    def _caller_runs_this_script(self, name: str) -> bool:
+        """:meth:`_same_script` for a caller, looked up if it is new here (a
+        rank that met the others first calls before they know it)."""
+        if self._lookup(name) is None and self._scheduler_gone is None:
+            with contextlib.suppress(Exception):  # then its reply goes by value
+                self._run(self.refresh_peers())
+        return self._same_script(name)
 
     def _depart(self, name: str, address: str) -> None:
         """The peer ``name`` at ``address`` cannot be reached: look it up
@@ -347,10 +365,13 @@ class DaskRpcAgent(RpcAgent):
         finally:
             _worker_context.reset(token)
             set_waiter(previous)
+        by_name = self._caller_runs_this_script(connection.peer_name)
         if isinstance(result, aiopar.Future):
-            result.add_done_callback(lambda done: _reply_future(what, connection, call_id, done))
+            result.add_done_callback(
+                lambda done: _reply_future(what, connection, call_id, done, by_name)
+            )
         else:
-            _reply_value(connection, call_id, result)
+            _reply_value(connection, call_id, result, by_name)
         # A future that failed inside fn holds this frame: no cycle (see aiopar's Future).
         del result
 
@@ -473,9 +494,9 @@ def _read_call(frames: Any, caller: str, callee: object) -> Any:
         ) from exc
 
 
-def _reply_value(connection: _wire.Connection, call_id: int, value: Any) -> None:
+def _reply_value(connection: _wire.Connection, call_id: int, value: Any, by_name: bool) -> None:
     try:
-        frames = _wire.dumps(value)
+        frames = _wire.dumps(value, by_name)
     except Exception as exc:
         error = TypeError(
             f"the result ({type(value).__name__}) cannot be sent back: {type(exc).__name__}: {exc}"
@@ -492,7 +513,7 @@ def _reply_error(connection: _wire.Connection, call_id: int, exc: BaseException)
 
 
 def _reply_future(
-    what: str, connection: _wire.Connection, call_id: int, done: aiopar.Future[Any]
+    what: str, connection: _wire.Connection, call_id: int, done: aiopar.Future[Any], by_name: bool
 ) -> None:
     # Read without raising: a raise here would add this frame, which holds
     # ``done``, to the traceback of its exception (a reference cycle).
@@ -501,7 +522,7 @@ def _reply_future(
     else:
         error = done.exception()
     if error is None:
-        _reply_value(connection, call_id, done.value())
+        _reply_value(connection, call_id, done.value(), by_name)
     else:
         _raised(what, connection, error)
         _reply_error(connection, call_id, error)

@@ -35,6 +35,7 @@ from aiopar.rpc.agent import DEFAULT_RPC_TIMEOUT, set_current_agent
 from . import _wire
 from ._agent import DaskRpcAgent
 from ._cluster import ClusterWorker
+from ._script import script_identity
 
 __all__ = ["SECRET_KEY", "Peer"]
 
@@ -93,6 +94,7 @@ class Peer(ClusterWorker):
             "aiopar_token": _Value(token),
             "aiopar_rpc_port": _rpc_port,
             "aiopar_rpc_local": _rpc_local,
+            "aiopar_script": _Value(script_identity()),
         }
         kwargs["plugins"] = (*kwargs.get("plugins", ()), _Listen())
         super().__init__(*args, **kwargs)

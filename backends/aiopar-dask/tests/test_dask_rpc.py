@@ -280,7 +280,7 @@ def test_replying_with_a_failed_future_leaves_no_reference_cycle(gc_off):
     box = [failed()]
     assert box[0].exception(timeout=30) is not None
     gone = weakref.ref(box[0])
-    _agent._reply_future("fail_deep()", Connection(), 1, box.pop())
+    _agent._reply_future("fail_deep()", Connection(), 1, box.pop(), False)
     assert wait_until(lambda: gone() is None, timeout=5)
 
 

@@ -23,19 +23,38 @@ from aiopar import rpc
 pytestmark = pytest.mark.timeout(180)
 
 # A training script as torch's tutorials write one: its rank comes from
-# the command line, where to meet from MASTER_ADDR and MASTER_PORT. It
-# reports what it found as a JSON line.
+# the command line, where to meet from MASTER_ADDR and MASTER_PORT. Its
+# functions run on the other rank as that rank's own, module state and
+# all. It reports what it found as a JSON line.
 SCRIPT = """
-    import json, os, stat, sys
+    import dataclasses, json, os, stat, sys, threading
     import psutil
     from aiopar import rpc
     from aiopar_dask import _credentials, _wire
 
+    LOCK = threading.Lock()  # (a lock does not pickle: the function must go by name)
+    calls = 0
+
+
+    def bump():
+        global calls
+        with LOCK:
+            calls += 1
+            return calls
+
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
 
     def report(rank):
         agent = rpc.agent.current_agent()
+        other = f"worker{1 - rank}"
         found = {
-            "other_pid": rpc.rpc_sync(f"worker{1 - rank}", os.getpid),
+            "bumps": [rpc.rpc_sync(other, bump) for _ in range(3)] if rank == 0 else None,
+            "a_point": isinstance(rpc.rpc_sync(other, Point, args=(1,)), Point),
+            "other_pid": rpc.rpc_sync(other, os.getpid),
             "peers": [info.name for info in rpc.agent.current_agent().peers()],
             "scheduler": agent.worker.scheduler.address,
             "hosts": agent.cluster is not None,
@@ -121,6 +140,8 @@ def test_each_rank_a_script_meeting_at_master_addr_and_port(tmp_path, leaves_not
         assert report["scheduler"] == f"tls://127.0.0.1:{port}"  # closed by default
         assert report["hosts"] is (rank == 0)
         assert report["children"] == 0  # no rank started a world of its own
+    assert reports[0]["bumps"] == [1, 2, 3]  # worker1's own counter, as in torch
+    assert [report["a_point"] for report in reports] == [True, True]  # the caller's own class
     assert reports[1]["modes"] == ["0o700", "0o600"]
     assert reports[1]["stranger"] == "refused"
     assert not _credentials.path("127.0.0.1", port).exists()  # rank 0 took them along
@@ -134,10 +155,19 @@ def test_a_tcp_rendezvous_rank_0_joins_late_on_loopback(leaves_nothing_behind):
         import os, sys
         from aiopar import rpc
 
+        calls = 0
+
+        def bump():
+            global calls
+            calls += 1
+            return calls
+
         options = rpc.RpcBackendOptions(init_method=sys.argv[1])
         print("joining", flush=True)
         rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options)
         print(rpc.rpc_sync("worker0", os.getpid), flush=True)
+        # rank 0 runs another script: bump travels by value, its globals copied
+        print(*[rpc.rpc_sync("worker0", bump) for _ in range(3)], calls, flush=True)
         rpc.shutdown()
     """
     other = subprocess.Popen(
@@ -162,7 +192,7 @@ def test_a_tcp_rendezvous_rank_0_joins_late_on_loopback(leaves_nothing_behind):
         other.kill()
         other.wait()
     assert other.returncode == 0, err
-    assert out.split() == [str(os.getpid())]
+    assert out.split() == [str(os.getpid()), "1", "1", "1", "0"]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ import copyreg
 import io
 import pickle
 import re
+import sys
+import types
 from typing import Any
 
 import cloudpickle
@@ -28,24 +30,33 @@ _PLAIN_MOST = 1 << 16  # bytes of plain data read at once: a millisecond's work 
 NOT_PLAIN: Any = object()  # what plain() returns for anything else
 
 
-def dumps(obj: Any) -> tuple[Frames, list[bool]]:
+def dumps(obj: Any, main_by_name: bool = False) -> tuple[Frames, list[bool]]:
     """``obj`` as frames (a pickle and its out-of-band buffers) and their writeable flags.
 
-    Plain pickle first, as dask's pickler does; cloudpickle (lambdas, what is
-    defined in ``__main__``) only when that fails or refers to ``__main__``.
-    A message that holds an RRef goes straight to cloudpickle: pickling an
-    RRef makes a copy that its owner counts, so it must be pickled once.
+    Plain pickle first, as dask's pickler does; cloudpickle (lambdas, what
+    is defined in ``__main__``) only when that fails or refers to
+    ``__main__``. With ``main_by_name`` (for a peer whose ``__main__`` is
+    this process's script), the functions and classes of ``__main__``
+    travel by name as plain pickle sends them, and only what cannot
+    (lambdas, local functions) by value. A message that holds an RRef
+    goes straight to cloudpickle: pickling an RRef makes a copy that its
+    owner counts, so it must be pickled once.
     """
     buffers: list[pickle.PickleBuffer] = []
+    data: Any = None
     try:
         stream = io.BytesIO()
         _PlainPickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
-        data: Any = stream.getbuffer()  # no copy
+        data = stream.getbuffer()  # no copy
     except Exception:  # an RRef, or what plain pickle cannot do
-        data = b"__main__"
-    if _MAIN.search(data):  # (re searches a memoryview without copying it)
+        pass
+    # (re searches a memoryview without copying it)
+    if data is None or (not main_by_name and _MAIN.search(data)):
         buffers.clear()
-        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        stream = io.BytesIO()
+        pickler = _MainByName if main_by_name else cloudpickle.Pickler
+        pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+        data = stream.getbuffer()
     # raw(): the bytes of any contiguous buffer, a zero-length dimension
     # included (a cast of a view with zeros in its shape fails).
     views = [b.raw() for b in buffers]
@@ -78,6 +89,18 @@ def _not_in_plain_pickle(obj: object) -> Any:
 
 class _PlainPickler(pickle.Pickler):
     dispatch_table = {**copyreg.dispatch_table, RRef: _not_in_plain_pickle}
+
+
+class _MainByName(cloudpickle.Pickler):  # type: ignore[misc]  # (cloudpickle has no types)
+    """cloudpickle, but for the functions and classes of ``__main__`` that
+    can be found there by name: those go by name, as plain pickle sends them."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type | types.FunctionType) and obj.__module__ == "__main__":
+            main = sys.modules["__main__"]
+            if getattr(main, obj.__qualname__, None) is obj:
+                return NotImplemented  # pickle's own way: by name
+        return super().reducer_override(obj)
 
 
 class _PlainUnpickler(pickle.Unpickler):
