@@ -253,6 +253,34 @@ def test_a_call_to_a_peer_that_died_says_so_and_a_misspelt_name_is_no_peer(
         helper.stderr.close()
 
 
+def test_ranks_of_one_job_that_give_different_world_sizes_are_refused(
+    scheduler, leaves_nothing_behind
+):
+    script = """
+        import sys
+        from aiopar import rpc
+
+        options = rpc.RpcBackendOptions(init_method=sys.argv[1], rpc_timeout=0)
+        try:
+            rpc.init_rpc("worker0", rank=0, world_size=3, rpc_backend_options=options)
+        except KeyboardInterrupt:
+            print("interrupted")
+    """
+    rank_0 = start_python(script, scheduler)
+    try:
+        assert wait_until(lambda: "worker0" in peer_names(scheduler), timeout=60, interval=0.1)
+        with pytest.raises(ValueError, match="gave world_size 3, and this one 2: give every rank"):
+            rpc.init_rpc(
+                "worker1", rank=1, world_size=2, rpc_backend_options=options(init_method=scheduler)
+            )
+        rank_0.send_signal(signal.SIGINT)
+        out, err = rank_0.communicate(timeout=60)
+        assert out == "interrupted\n", err
+    finally:
+        rank_0.kill()
+        rank_0.wait()
+
+
 def on_which_worker() -> str:
     return str(distributed.get_worker().name)
 
