@@ -269,6 +269,12 @@ def rpc_async(
       :class:`aiopar.BrokenWorkerError` with aiopar-dask), or RuntimeError
       if this peer shuts down before the reply comes.
 
+    ``func`` and the arguments travel as pickles. A function (or class)
+    defined in this process's ``__main__`` travels by name to a peer that
+    runs the same script, as torch sends it, so the callee runs its own,
+    with its own module state; to any other peer, by value, with copies of
+    the globals it uses (aiopar-dask).
+
     Cancelling the future only stops waiting for it: the call still runs
     on the callee, and its reply is dropped. Safe to call from any thread.
 
