@@ -16,6 +16,7 @@ import logging
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, NamedTuple
 
@@ -81,6 +82,10 @@ class DaskRpcAgent(RpcAgent):
         self._peers: dict[str, _Where] = {}  # by name
         self._departed: dict[str, _Where] = {}  # by name: peers seen that have gone since
         self._links: dict[str, Link] = {}  # by callee name
+        # whether the caller on a connection runs this process's script
+        self._callers: weakref.WeakKeyDictionary[_wire.Connection, bool] = (
+            weakref.WeakKeyDictionary()
+        )
         self._settler = Settler("rpc")
         self._timeouts = Timeouts(self._settler.call)
         self._compensation = threading.BoundedSemaphore(COMPENSATION_LIMIT)
@@ -268,13 +273,18 @@ class DaskRpcAgent(RpcAgent):
         found = self._lookup(name)
         return found is not None and found.script is not None and found.script == script_identity()
 
-    def _caller_runs_this_script(self, name: str) -> bool:
-        """:meth:`_same_script` for a caller, looked up if it is new here (a
-        rank that met the others first calls before they know it)."""
-        if self._lookup(name) is None and self._scheduler_gone is None:
-            with contextlib.suppress(Exception):  # then its reply goes by value
-                self._run(self.refresh_peers())
-        return self._same_script(name)
+    def _caller_runs_this_script(self, connection: _wire.Connection) -> bool:
+        """:meth:`_same_script` for the caller on ``connection``, found out
+        on its first call (looked up if it is new here: a rank that met
+        the others first calls before they know it)."""
+        known = self._callers.get(connection)
+        if known is None:
+            name = connection.peer_name
+            if self._lookup(name) is None and self._scheduler_gone is None:
+                with contextlib.suppress(Exception):  # then its replies go by value
+                    self._run(self.refresh_peers())
+            known = self._callers[connection] = self._same_script(name)
+        return known
 
     def _depart(self, name: str, address: str) -> None:
         """The peer ``name`` at ``address`` cannot be reached: look it up
@@ -365,7 +375,7 @@ class DaskRpcAgent(RpcAgent):
         finally:
             _worker_context.reset(token)
             set_waiter(previous)
-        by_name = self._caller_runs_this_script(connection.peer_name)
+        by_name = self._caller_runs_this_script(connection)
         if isinstance(result, aiopar.Future):
             result.add_done_callback(
                 lambda done: _reply_future(what, connection, call_id, done, by_name)
