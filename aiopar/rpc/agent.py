@@ -115,7 +115,8 @@ class RpcBackendOptions:
     ``rpc_timeout`` is the default timeout of every call from this process,
     in seconds (0 or ``float("inf")``: no limit, as is any number of seconds
     too large for a lock to wait, ``threading.TIMEOUT_MAX``), and also how
-    long ``init_rpc`` waits for ``world_size`` peers to join a scheduler.
+    long ``init_rpc`` waits for ``world_size`` peers to join a scheduler
+    (and, at a ``tcp://`` rendezvous, for rank 0's scheduler to listen).
     ``init_method`` is where the ranks meet, as torch takes it:
     ``"env://"`` (``MASTER_ADDR:MASTER_PORT``), ``"tcp://host:port"``
     (rank 0 starts the rendezvous there, the other ranks join it), or the

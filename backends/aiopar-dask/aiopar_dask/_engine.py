@@ -3,9 +3,9 @@
 ``init_rpc`` without a scheduler address starts an embedded cluster (its
 other peers in nannies, everything on loopback); with one, it joins that
 scheduler, which rank 0 starts at a ``tcp://`` rendezvous if none answers
-there (``_rendezvous``). Either way this process's :class:`~._peer.Peer` runs on an event
-loop in a thread of its own, and leaves at exit if ``rpc.shutdown()`` was
-not called.
+there (``_rendezvous``). Either way this process's :class:`~._peer.Peer`
+runs on an event loop in a thread of its own, and leaves at exit if
+``rpc.shutdown()`` was not called.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
 import socket
 import ssl
 import threading
@@ -156,7 +158,7 @@ async def wait_for_listener(
     deadline has passed."""
     while not await accepts(host, port, deadline, context):
         if deadline is not None and time.monotonic() + RETRY >= deadline:
-            raise ConnectionRefusedError(f"nothing accepted a connection at {host}:{port}")
+            raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
         await asyncio.sleep(RETRY)
 
 

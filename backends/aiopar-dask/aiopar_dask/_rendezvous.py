@@ -84,7 +84,7 @@ async def host(address: str, security: Security | bool | None) -> RendezvousSche
     """
     where = endpoint(address)
     assert where is not None
-    if await _listening(*where):
+    if await _listening(address, *where):
         return None
     made = cluster_security(security)
     shared = security is None
@@ -99,13 +99,17 @@ async def host(address: str, security: Security | bool | None) -> RendezvousSche
     except BaseException as exc:
         await cluster.close()  # type: ignore[misc]  # (removes the certificates too)
         if isinstance(exc, Exception):
-            raise OSError(
-                f"rank 0 cannot start the rendezvous at {address} ({exc.__cause__ or exc}); "
-                f"MASTER_ADDR (or the tcp:// address) must name rank 0's own machine, "
-                f"and MASTER_PORT a port free there"
-            ) from exc
+            raise _cannot_start(address, exc.__cause__ or exc) from exc
         raise
     return cluster
+
+
+def _cannot_start(address: str, why: BaseException) -> OSError:
+    return OSError(
+        f"rank 0 cannot start the rendezvous at {address} ({type(why).__name__}: {why}); "
+        f"MASTER_ADDR (or the tcp:// address) must name rank 0's own machine, and "
+        f"MASTER_PORT (or the port) one free there"
+    )
 
 
 async def join(
@@ -167,18 +171,16 @@ async def _certificates_of_rank_0(
         await asyncio.sleep(RETRY)
 
 
-async def _listening(host: str, port: int) -> bool:
+async def _listening(address: str, host: str, port: int) -> bool:
     """Whether something accepts connections at ``host:port``. Raises
-    OSError naming it if that cannot be told (an unknown host name)."""
+    OSError naming ``address`` if that cannot be told (an unknown host
+    name, or one that no connection reaches)."""
     try:
         async with asyncio.timeout(5):
             _, writer = await asyncio.open_connection(host, port)
     except ConnectionRefusedError:
         return False
     except (OSError, TimeoutError) as exc:
-        raise OSError(
-            f"rank 0 cannot start the rendezvous at {unparse_host_port(host, port)}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+        raise _cannot_start(address, exc) from exc
     writer.close()
     return True
