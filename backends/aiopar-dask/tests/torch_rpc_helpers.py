@@ -8,6 +8,8 @@ module (the tests directory is on their path). Names follow torch's.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
+import logging
 import os
 import pickle
 import sys
@@ -17,12 +19,20 @@ from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 import aiopar
 from aiopar import rpc
 
 WORLD_SIZE = 4
 TESTS_DIR = str(Path(__file__).resolve().parent)
+# The network interface of 127.0.0.1, where the ranks' gloo process groups
+# (test_deadlock) talk: on loopback, as the ranks' clusters.
+LOOPBACK_INTERFACE = next(
+    name
+    for name, addresses in psutil.net_if_addrs().items()
+    if any(address.address == "127.0.0.1" for address in addresses)
+)
 # How long a rank process serves at most: a test module that dies without
 # shutting down leaves no rank behind for longer than this.
 SERVE_LIMIT = 240.0
@@ -45,8 +55,8 @@ def rank_command(entry: str, *args: object) -> list[str]:
 
 
 def rank_env() -> dict[str, str]:
-    """This environment with the tests directory first on the path."""
-    env = dict(os.environ)
+    """This environment with the tests directory first on the path, and gloo on loopback."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=LOOPBACK_INTERFACE)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, env.get("PYTHONPATH")) if p)
     return env
 
@@ -175,6 +185,172 @@ def lifecycle_leave_at_once(rank: int, address: str, world_size: int) -> None:
 
 
 # -- bodies that test_torch_rpc runs on every rank ------------------------------------
+#
+# torch's harness runs a test body on every rank; one whose assertions name
+# the caller's rank, or that branches on it, runs here as a function of the
+# rank, sent to each rank (test_torch_rpc.on_every_rank).
+
+
+def raised(exc_type: type[BaseException], fn, *args, **kwargs) -> BaseException:
+    """The ``exc_type`` exception that ``fn(*args, **kwargs)`` raises
+    (pytest.raises for the rank processes, which do not import pytest)."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        return exc
+    raise AssertionError(f"{fn!r} raised no {exc_type.__name__}")
+
+
+def worker_id_body(rank: int) -> None:
+    peer_rank = (rank + 1) % WORLD_SIZE
+    self_worker_info = rpc.get_worker_info()
+    peer_worker_info = rpc.get_worker_info(worker_name(peer_rank))
+    assert self_worker_info.name == worker_name(rank), self_worker_info
+    assert self_worker_info.id == rank, self_worker_info
+    assert peer_worker_info.name == worker_name(peer_rank), peer_worker_info
+    assert peer_worker_info.id == peer_rank, peer_worker_info
+    assert rpc.get_worker_info(peer_rank) == peer_worker_info  # by id too
+    # aiopar: ValueError listing the peers (torch: RuntimeError)
+    error = raised(ValueError, rpc.get_worker_info, "WorkerUnknown")
+    assert "no rpc peer called 'WorkerUnknown'" in str(error), error
+    assert all(worker_name(r) in str(error) for r in range(WORLD_SIZE)), error
+
+
+def local_value_not_on_owner_body(rank: int) -> None:
+    next_rank = (rank + 1) % WORLD_SIZE
+    rref = rpc.remote(worker_name(next_rank), np.add, args=(np.ones(1), np.ones(1)))
+    # torch's message names the RRef, this peer and the owner, each with its
+    # id; aiopar's names the RRef (its owner and id) and this peer
+    error = raised(RuntimeError, rref.local_value)
+    assert str(error) == (
+        f"local_value() is for the owner of RRef(owner={worker_name(next_rank)}, id={rref._id}), "
+        f"and this peer is '{worker_name(rank)}': call to_here() to copy it here"
+    ), error
+    assert not rref.is_owner()
+
+
+def rref_str_body(rank: int) -> None:
+    # aiopar: RRef(owner=<name>, id=<id>) (torch: OwnerRRef(...)/UserRRef(...),
+    # with the ids of the RRef and of this copy)
+    rref1 = rpc.RRef(rank)
+    assert str(rref1) == f"RRef(owner={worker_name(rank)}, id={rref1._id})", rref1
+    next_name = worker_name((rank + 1) % WORLD_SIZE)
+    rref2 = rpc.remote(next_name, np.add, args=(np.ones((2, 2)), 1))
+    assert str(rref2) == f"RRef(owner={next_name}, id={rref2._id})", rref2
+    assert len({rref1._id, rref2._id, rpc.RRef(rank)._id}) == 3
+
+
+def owner_equality_body(rank: int) -> None:
+    a = rpc.RRef(40)
+    b = rpc.RRef(50)
+    next_name = worker_name((rank + 1) % WORLD_SIZE)
+    other_a = rpc.remote(next_name, np.add, args=(np.ones(1), 1))
+    other_b = rpc.remote(next_name, np.add, args=(np.ones(1), 1))
+    other_a.to_here()  # to ensure clean termination
+    other_b.to_here()
+
+    assert a.owner() != 23
+    assert other_a.owner() == other_b.owner()
+    assert a.owner() != other_a.owner()
+    assert other_a.owner() == other_a.owner()
+    assert a.owner() == a.owner()
+    assert a.owner() == b.owner()
+    assert a.owner() == rpc.get_worker_info()
+    x = {}
+    x[a.owner()] = a
+    x[other_a.owner()] = other_a
+    assert x[a.owner()] is a
+    assert x[b.owner()] is a
+    assert x[other_a.owner()] is other_a
+    assert x[other_b.owner()] is other_a
+    assert len(x) == 2
+    # and the names (not in torch's test)
+    assert a.owner_name() == worker_name(rank)
+    assert other_a.owner_name() == next_name
+
+
+def raise_in_user_func_body(rank: int) -> None:
+    fut = rpc.rpc_async(worker_name((rank + 1) % WORLD_SIZE), raise_func)
+    error = raised(ValueError, fut.wait)
+    assert str(error) == expected_err, error
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+_RPC_LOGGER = logging.getLogger("aiopar.rpc")
+_capture: tuple[_Records, int] | None = None
+
+
+def capture_rpc_log() -> None:
+    """Record what this process logs on the ``aiopar.rpc`` logger, at every
+    level, until :func:`captured_rpc_log` (torch's test captures stderr)."""
+    global _capture
+    assert _capture is None, "capturing already"
+    _capture = (_Records(), _RPC_LOGGER.level)
+    _RPC_LOGGER.addHandler(_capture[0])
+    _RPC_LOGGER.setLevel(logging.DEBUG)
+
+
+def captured_rpc_log() -> list[tuple[int, str]]:
+    """Stop recording; what was logged: (level, message and traceback) each."""
+    global _capture
+    assert _capture is not None, "not capturing"
+    (handler, level), _capture = _capture, None
+    _RPC_LOGGER.removeHandler(handler)
+    _RPC_LOGGER.setLevel(level)
+    return [(record.levelno, handler.format(record)) for record in handler.records]
+
+
+def has_gloo() -> bool:
+    """Whether torch is installed here, with gloo process groups."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def add_once_exists(path: str, x, y):
+    """``x + y``, once ``path`` exists (test_deadlock's slow call)."""
+    deadline = time.monotonic() + 15
+    while not Path(path).exists():
+        assert time.monotonic() < deadline, f"{path} was never made"
+        time.sleep(0.01)
+    return x + y
+
+
+def deadlock_body(rank: int, store: str) -> None:
+    """torch's test_deadlock (torch issue 45089) on ranks 1 and 2: rank 1
+    waits for a call to rank 2 while rank 2 starts a gloo process group,
+    which waits for rank 1. torch's call sleeps so that rank 2 gets there;
+    this one returns once rank 2's store file exists, which rank 2 makes
+    as it starts the group, so rank 2 is seen to serve it from there."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        dst1 = worker_name((rank + 1) % WORLD_SIZE)
+        x = np.ones(2)
+        y = np.ones(2)
+        ret = rpc.rpc_async(dst1, add_once_exists, args=(store, x, y), timeout=15).wait()
+        assert np.array_equal(ret, x + y), ret
+
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        backend="gloo",
+        init_method=Path(store).as_uri(),
+        rank=rank - 1,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),  # an error, not a hang, if a rank is missing
+    )
+    dist.destroy_process_group()  # (torch's harness ends the process instead)
+
 
 VALUE_FUTURE: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -238,11 +414,6 @@ def my_sleep_func(seconds=1):
 def delayed_add(a, b, seconds=0.05):
     time.sleep(seconds)
     return a + b
-
-
-def _slow_add(x, y):
-    time.sleep(0.5)
-    return x + y
 
 
 def no_result():
