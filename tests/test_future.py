@@ -177,6 +177,7 @@ def test_then_sees_source_failure():
         chained.wait()
 
 
+@pytest.mark.usefixtures("gc_off")  # a full collection walks every link: half the test's time
 def test_million_link_then_chain_settles_without_recursion():
     links = 1_000_000
     calls = 0
