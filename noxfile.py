@@ -5,6 +5,11 @@ environment the command installed them into; ``core`` runs aiopar's suite
 again on the newest Python CI has, in a fresh environment. On a machine
 without that Python, ``core`` is skipped, and nox says so. The three run at
 once: each spends much of its time waiting for the processes it starts.
+
+The plugins' suite takes about as much CPU time as the other two together,
+so it runs in two pytest-xdist workers, a test file to each at a time (a
+file's cluster fixtures start once): four pytest processes share the cores,
+and no session is left running alone at the end.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import subprocess
 import nox
 
 NEWEST_PYTHON = "3.13"
+PLUGIN_WORKERS = ("--numprocesses", "2", "--dist", "loadfile")
 
 nox.options.sessions = ["tests", "plugins", "core"]
 nox.options.parallel = 3
@@ -53,7 +59,14 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=False, allow_parallel=True)
 def plugins(session: nox.Session) -> None:
     """The aiopar-dask plugin's suite, in the same environment."""
-    session.run("python", "-m", "pytest", "backends/aiopar-dask/tests", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "backends/aiopar-dask/tests",
+        *PLUGIN_WORKERS,
+        *session.posargs,
+    )
 
 
 @nox.session(python=NEWEST_PYTHON, allow_parallel=True)
