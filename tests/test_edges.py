@@ -224,20 +224,11 @@ def test_a_forked_child_can_use_every_backend(start_child):
 
 def test_compensation_is_bounded_and_every_blocked_task_still_finishes(pool):
     release: aiopar.Future[None] = aiopar.Future()
-    peak = 0
-
-    def blocks():
-        nonlocal peak
-        peak = max(peak, threading.active_count())
-        release.wait()
-
-    futs = [pool.fork(blocks) for _ in range(300)]
-    deadline = time.monotonic() + 10
-    while len(pool._workers) < pool.max_workers + COMPENSATION_LIMIT:
-        assert time.monotonic() < deadline, len(pool._workers)
-        time.sleep(0.01)
-    time.sleep(0.1)
-    assert len(pool._workers) == pool.max_workers + COMPENSATION_LIMIT
+    futs = [pool.fork(release.wait) for _ in range(300)]
+    # Once every worker has blocked, the pool has decided on each block.
+    limit = pool.max_workers + COMPENSATION_LIMIT
+    eventually(lambda: len(pool._workers) >= limit and pool._blocked == len(pool._workers))
+    assert len(pool._workers) == limit
     release.set_result(None)
     aiopar.wait_all(futs)
     assert all(f.done() for f in futs)

@@ -14,10 +14,11 @@ import pickle
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import python
+from helpers import eventually, python
 
 import aiopar
 from aiopar import rpc
@@ -463,6 +464,15 @@ def test_a_collected_rref_drops_its_value_on_the_owner(fake):
     assert rref_id not in _rref._owned
 
 
+def replace_apply(monkeypatch: pytest.MonkeyPatch, apply: Callable[..., None]) -> None:
+    """Have owners apply changes with ``apply`` (which the fake agent, as it
+    sends functions by name, finds under the name of the one it replaces)."""
+    from aiopar.rpc import _rref
+
+    apply.__module__, apply.__qualname__ = _rref._apply.__module__, "_apply"
+    monkeypatch.setattr(_rref, "_apply", apply)
+
+
 def test_changes_reach_an_owner_in_order_one_call_at_a_time(fake, monkeypatch):
     # Calls run concurrently on an owner: a peer sends it the next changes
     # only once the last have been applied, so "gone" never overtakes the
@@ -484,8 +494,7 @@ def test_changes_reach_an_owner_in_order_one_call_at_a_time(fake, monkeypatch):
         applied.append(changes)
         running -= 1
 
-    recorder.__module__, recorder.__qualname__ = _rref._apply.__module__, "_apply"
-    monkeypatch.setattr(_rref, "_apply", recorder)
+    replace_apply(monkeypatch, recorder)
     other = WorkerInfo("other", 1)
     agent = fake.agents[0]
     _rref._changes.append((other, (True, "v", "f1")))
@@ -558,25 +567,30 @@ def keep_rref(rref: rpc.RRef[Any]) -> None:
     kept_rrefs.append(rref)
 
 
-def test_a_shared_rref_lives_until_its_last_copy_is_gone(fake):
+def test_a_shared_rref_lives_until_its_last_copy_is_gone(fake, monkeypatch):
     from aiopar.rpc import _rref
 
+    applied: list[tuple[bool, str, str]] = []
+    apply = _rref._apply
+
+    def recorder(changes):
+        apply(changes)
+        applied.extend(changes)
+
+    replace_apply(monkeypatch, recorder)
     rref = rpc.remote("other", Counter, args=(3,))
     assert rpc.rpc_sync("other", read_rref, args=(rref,)) == 3  # a copy went and went again
     rpc.rpc_sync("other", keep_rref, args=(rref,))  # a copy kept
-    rref_id = rref._id
+    rref_id, fork_id = rref._id, rref._fork
     del rref
     gc.collect()
     rpc.rpc_sync("other", add, args=(1, 1))  # the next call tells the owner
-    time.sleep(0.1)
+    eventually(lambda: (False, rref_id, fork_id) in applied, timeout=10)
     assert rref_id in _rref._owned
     kept_rrefs.clear()
     gc.collect()
     rpc.rpc_sync("other", add, args=(1, 1))
-    deadline = time.monotonic() + 5
-    while rref_id in _rref._owned and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert rref_id not in _rref._owned
+    eventually(lambda: rref_id not in _rref._owned, timeout=10)
 
 
 def test_an_rref_whose_creation_failed_cannot_be_sent(fake):

@@ -812,7 +812,9 @@ def test_a_threadpool_limit_at_the_count_the_budget_gave_is_kept_too():
     user = threading.Thread(target=lambda: inside.append(limited()), name="limits-blas")
     compute_beside_a_fork()
     futs = [aiopar.fork(task) for _ in range(2)]
-    time.sleep(0.01)  # this thread computes beside them: three count now
+    # This thread computes beside them: three count once both have started.
+    eventually(lambda: budget.running == 3 and not late(), timeout=10)
+    assert blas_threads() == share_of(3)[1]
     user.start()
     aiopar.wait_all(futs)
     settle()  # nothing counts: the budget would give BLAS every core

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import distributed
 import psutil
 import pytest
+from aiopar_dask import DaskBackend
 
 import aiopar
 from aiopar import rpc
@@ -73,6 +74,19 @@ def wait_until(condition: Callable[[], object], timeout: float, interval: float 
             return False
         time.sleep(interval)
     return True
+
+
+def tasks_to_run(backend: DaskBackend) -> int:
+    """The most tasks not run yet, or running, that the scheduler or a
+    worker of ``backend``'s in-process cluster holds (a task that has run
+    stays a while, its result in memory)."""
+    cluster = backend._cluster
+    held = [cluster.scheduler.tasks.values()]
+    held += [worker.state.tasks.values() for worker in cluster.workers.values()]
+    return max(sum(task.state not in _DONE for task in tasks) for tasks in held)
+
+
+_DONE = {"memory", "erred", "error", "released", "forgotten", "cancelled"}
 
 
 def descendant_pids() -> set[int]:
