@@ -137,10 +137,16 @@ def test_duplicate_name_2(scheduler, tmp_path):
         rpc.shutdown()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="a peer that left before this one ever called it is not remembered: the call "
+    "raises the ValueError of a name no peer had ('there is no rpc peer called')",
+)
 def test_handle_send_exceptions(scheduler, tmp_path):
     # A peer that left without waiting for the others: a call to it fails at
-    # once, as torch's does (aiopar: BrokenWorkerError or, once the scheduler
-    # forgot the peer, ValueError; torch: RuntimeError).
+    # once, as torch's does, with a RuntimeError (aiopar: BrokenWorkerError)
+    # that says so.
     with open(tmp_path / "rank1.log", "w+") as log:
         proc = start_rank("lifecycle_leave_at_once", 1, scheduler, 2, log=log)
         try:
@@ -150,7 +156,7 @@ def test_handle_send_exceptions(scheduler, tmp_path):
             start = time.monotonic()
             # raised by rpc_async at once if this peer has heard that worker1
             # left, else by the future
-            with pytest.raises((aiopar.BrokenWorkerError, ValueError), match="worker1"):
+            with pytest.raises(aiopar.BrokenWorkerError, match=r"'worker1'.* left or died"):
                 rpc.rpc_async(worker_name(1), np.add, args=(np.ones(1), 3)).wait()
             assert time.monotonic() - start < 10  # an error, not the timeout
         finally:
