@@ -50,23 +50,32 @@ def _every_pyenv_python() -> None:
 _every_pyenv_python()
 
 
+def _pytest(session: nox.Session, *args: str) -> None:
+    """Run pytest with ``args``, then the command line's.
+
+    Where the environment forbids bytecode beside the sources
+    (PYTHONDONTWRITEBYTECODE, which CI sets), the suite keeps it in nox's
+    cache instead: every interpreter the suite starts, hundreds of them,
+    would compile each module it imports, and uv installs the fresh
+    environment without compiling any (its session took 8.5 minutes beside
+    the others instead of 5)."""
+    env: dict[str, str | None] = {}
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        prefix = str((session.cache_dir / "pycache").resolve())
+        env = {"PYTHONDONTWRITEBYTECODE": None, "PYTHONPYCACHEPREFIX": prefix}
+    session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
+
+
 @nox.session(python=False, allow_parallel=True)
 def tests(session: nox.Session) -> None:
     """aiopar's own suite, in the environment the test command installed."""
-    session.run("python", "-m", "pytest", "tests", *session.posargs)
+    _pytest(session, "tests")
 
 
 @nox.session(python=False, allow_parallel=True)
 def plugins(session: nox.Session) -> None:
     """The aiopar-dask plugin's suite, in the same environment."""
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "backends/aiopar-dask/tests",
-        *PLUGIN_WORKERS,
-        *session.posargs,
-    )
+    _pytest(session, "backends/aiopar-dask/tests", *PLUGIN_WORKERS)
 
 
 @nox.session(python=NEWEST_PYTHON, allow_parallel=True)
@@ -75,4 +84,4 @@ def core(session: nox.Session) -> None:
     # The plugin too: the core's tests check the layering across both, and
     # run the docs' distributed examples.
     session.install("-e", ".[test]", "-e", "./backends/aiopar-dask")
-    session.run("python", "-m", "pytest", "tests", *session.posargs)
+    _pytest(session, "tests")
