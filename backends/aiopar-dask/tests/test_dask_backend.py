@@ -30,7 +30,8 @@ from dask_helpers import (
 import aiopar
 from aiopar.profiler import profile
 
-pytestmark = pytest.mark.timeout(60)
+# Above the scripts' own timeouts, which say what hung (one took 25 s on a busy machine).
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
