@@ -77,20 +77,20 @@ def test_exit_runs_a_coroutine_fork_that_is_on_the_loop_but_has_not_started():
     # first step for one the loop dropped, and cancel it.
     done = run_python(
         """
-        import asyncio, threading, time, aiopar
+        import asyncio, threading, aiopar
 
         loop_of = {}
-        blocking, exiting = threading.Event(), threading.Event()
+        blocking, queued, exiting = threading.Event(), threading.Event(), threading.Event()
 
         # Registered after aiopar's own exit hook, so called before it.
         threading._register_atexit(exiting.set)
 
-        async def block_the_loop(seconds):
+        async def block_the_loop():
             loop_of["owned"] = asyncio.get_running_loop()
             blocking.set()
-            time.sleep(seconds)  # nothing else on the loop runs meanwhile
+            queued.wait(10)  # nothing else on the loop runs meanwhile
 
-        aiopar.fork(block_the_loop, 0.1)
+        aiopar.fork(block_the_loop)
         blocking.wait()
 
         async def step():
@@ -98,6 +98,7 @@ def test_exit_runs_a_coroutine_fork_that_is_on_the_loop_but_has_not_started():
 
         aiopar.fork(step)  # its task is made once the loop is free...
         loop_of["owned"].call_soon_threadsafe(exiting.wait, 10)  # ...and waits behind this
+        queued.set()
         # exit while it waits
         """,
         timeout=30,
