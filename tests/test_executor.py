@@ -150,7 +150,8 @@ def test_map_keeps_no_result_it_has_yielded():
         for value in executor.map(lambda _: Payload(), range(10)):
             ref = weakref.ref(value)
             del value
-            eventually(lambda ref=ref: ref() is None, timeout=LIMIT)  # its worker may be leaving it
+            # (the worker that made it may hold it a moment longer)
+            eventually(lambda ref=ref: ref() is None, timeout=LIMIT)
 
 
 def test_the_executor_keeps_no_reference_to_a_dropped_call():
