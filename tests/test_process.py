@@ -534,8 +534,10 @@ def test_ctrl_c_at_any_point_of_forks_and_waits_loses_nothing(tmp_path):
         backend = aiopar.get_backend("process", max_workers=1)
         assert backend.fork(abs, -1).wait() == 1
         stop = threading.Event()
+        go = threading.Event()  # a SIGINT outside the try below would end the script
 
         def interrupt():
+            go.wait()
             rng = random.Random(0)
             while not stop.wait(rng.uniform(0.0005, 0.003)):
                 os.kill(os.getpid(), signal.SIGINT)
@@ -546,6 +548,7 @@ def test_ctrl_c_at_any_point_of_forks_and_waits_loses_nothing(tmp_path):
         deadline = time.monotonic() + 20
         while interrupted < 300 and time.monotonic() < deadline:
             try:
+                go.set()  # here, where a KeyboardInterrupt is caught
                 fut = backend.fork(abs, -checked)
                 assert fut.wait() == checked
                 checked += 1
