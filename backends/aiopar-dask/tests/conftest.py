@@ -12,7 +12,9 @@ os.environ["DASK_LOGGING__DISTRIBUTED"] = "error"
 
 import dask
 import pytest
-from dask_helpers import loopback_cluster
+from dask_helpers import Leftovers, loopback_cluster, wait_until
+
+from aiopar import rpc
 
 dask.config.set({"logging.distributed": "error"})
 logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -32,3 +34,14 @@ def gc_off():
     gc.disable()
     yield
     gc.enable()
+
+
+@pytest.fixture
+def leaves_nothing_behind():
+    """After the test: no process or thread of its left, and this process no rpc peer."""
+    left = Leftovers()
+    yield
+    wait_until(lambda: not (left.processes() or left.threads()), timeout=15)
+    assert left.processes() == set()
+    assert left.threads() == set()
+    assert rpc.agent._current is None

@@ -27,16 +27,6 @@ from aiopar import rpc
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def leaves_nothing_behind():
-    left = Leftovers()
-    yield
-    wait_until(lambda: not (left.processes() or left.threads()), timeout=15)
-    assert left.processes() == set()
-    assert left.threads() == set()
-    assert rpc.agent._current is None
-
-
 def options(**kw) -> rpc.RpcBackendOptions:
     return rpc.RpcBackendOptions(num_worker_threads=2, **kw)
 

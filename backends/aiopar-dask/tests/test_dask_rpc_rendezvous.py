@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 from aiopar_dask import _credentials
-from dask_helpers import Leftovers, listening_addresses, wait_until
+from dask_helpers import listening_addresses
 
 from aiopar import rpc
 
@@ -82,16 +82,6 @@ SCRIPT = """
     if __name__ == "__main__":
         main(int(sys.argv[1]))
 """
-
-
-@pytest.fixture
-def leaves_nothing_behind():
-    left = Leftovers()
-    yield
-    wait_until(lambda: not (left.processes() or left.threads()), timeout=15)
-    assert left.processes() == set()
-    assert left.threads() == set()
-    assert rpc.agent._current is None
 
 
 def free_port() -> int:
