@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, PENDING, RUNNING
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -18,7 +18,7 @@ import anyio
 from . import _loop
 from ._blocking import check_timeout, help_first
 from ._config import current_backend
-from ._future import FailureWatch, Future, copy_outcome
+from ._future import _WAITING, FailureWatch, Future, copy_outcome
 from ._interop import describe_type, has_future_protocol, not_a_future_message
 
 __all__ = [
@@ -36,8 +36,7 @@ __all__ = [
 T = TypeVar("T")
 P = ParamSpec("P")
 
-# Future states read without a call (see aiopar._future).
-_WAITING = (PENDING, RUNNING)
+# The cancelled states, read without a call as _WAITING is (see aiopar._future).
 _CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
 
 
