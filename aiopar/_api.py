@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -37,7 +37,7 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 # The cancelled states, read without a call as _WAITING is (see aiopar._future).
-_CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
+_CANCELLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 
 
 @overload
@@ -136,41 +136,48 @@ def _first_failed(futures: list[Future[Any]]) -> int | None:
 
     The last task not done may run here, so its failure's traceback holds
     this frame: it lets go of the failed future before it returns."""
-    index = _index_of_failed(futures)
-    if index is not None:
-        return index
-    pending = [fut for fut in futures if fut._state in _WAITING]
-    if not pending:
-        return None
-    if len(pending) == 1:
-        pending[0]._block(None)  # runs its task here if it has not started
-    else:
-        _wait_unless_one_fails(pending)
-    pending.clear()
+    # Watched from before the first look, so that a failure is either seen
+    # by that look or heard by the watch: when neither happens, the futures
+    # need no second look once they are all done.
+    with FailureWatch(futures) as watch:
+        index = _index_of_failed(futures)
+        if index is not None:
+            return index
+        pending = [fut for fut in futures if fut._state in _WAITING]
+        if not pending:
+            return None
+        if len(pending) == 1:
+            pending[0]._block(None)  # runs its task here if it has not started
+        else:
+            _wait_unless_one_fails(pending, watch)
+        pending.clear()
+        if not watch.failed:
+            return None
     return _index_of_failed(futures)
 
 
-def _wait_unless_one_fails(pending: list[Future[Any]]) -> None:
-    """Block until all of ``pending`` are done or one of them fails or is
-    cancelled, running none of their tasks here (a task this thread ran
-    could not be stopped when another failed), except that a pool's worker
-    first runs its own queued forks, as before any wait."""
-    with FailureWatch(pending) as watch:
-        # Newest first: forks run in about the order they were made, so the
-        # thread blocks about once, not once per future.
-        for fut in reversed(pending):
-            if fut._state in _WAITING:
-                help_first(fut, None, None)  # a pool's worker runs its queued forks first
-                if fut._state in _WAITING and not watch.failed:
-                    fut._sleep(None, fut._task, watch)
-            if watch.failed:
-                return
+def _wait_unless_one_fails(pending: list[Future[Any]], watch: FailureWatch) -> None:
+    """Block until all of ``pending`` are done or ``watch`` hears that one
+    of its futures failed or was cancelled, running none of their tasks
+    here (a task this thread ran could not be stopped when another failed),
+    except that a pool's worker first runs its own queued forks, as before
+    any wait."""
+    # Newest first: forks run in about the order they were made, so the
+    # thread blocks about once, not once per future.
+    for fut in reversed(pending):
+        if fut._state in _WAITING:
+            help_first(fut, None, None)  # a pool's worker runs its queued forks first
+            if fut._state in _WAITING and not watch.failed:
+                fut._sleep(None, fut._task, watch)
+        if watch.failed:
+            return
 
 
 def _index_of_failed(futures: list[Future[Any]]) -> int | None:
     """The index of the first of ``futures`` that failed or was cancelled, or None."""
     for index, fut in enumerate(futures):
-        if fut._exception is not None or fut._state in _CANCELLED:
+        # A success, the common case, costs two identity tests.
+        if fut._exception is not None or (fut._state is not FINISHED and fut._state in _CANCELLED):
             del fut  # no cycle: see _first_failed
             return index
     return None

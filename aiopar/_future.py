@@ -49,8 +49,9 @@ U = TypeVar("U")
 
 # The states of a future that is not done. A test against it costs no Python
 # call, where done() would, on the blocking path whose calls
-# tests/test_overhead.py counts.
-_WAITING = (PENDING, RUNNING)
+# tests/test_overhead.py counts. A frozenset, not a tuple: the states are
+# strings, and a tuple compares a done state with each of them by value.
+_WAITING = frozenset((PENDING, RUNNING))
 
 # The FailureWatch objects of threads blocked in wait_all: a future that
 # fails or is cancelled tells them; one that succeeds costs nothing here.
@@ -200,6 +201,9 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             state = self._state
             if state is not PENDING and state is not RUNNING:
                 return False
+            # A done future keeps no task: no cycle that only the garbage
+            # collector breaks holds on to its result.
+            self._task = None
             if exception is None:
                 self._result = result
             else:
@@ -551,10 +555,13 @@ class FailureWatch:
     a callback on each future (a batch of forks that all succeed pays
     nothing for it). Active inside its ``with`` block."""
 
-    __slots__ = ("_futures", "_lock", "_sleeping", "failed")
+    __slots__ = ("_futures", "_lock", "_members", "_sleeping", "failed")
 
     def __init__(self, futures: list[Future[Any]]) -> None:
-        self._futures = set(futures)
+        self._futures = futures  # not changed while the watch is active
+        # The set to look a failed future up in, made at the first failure
+        # the watch hears of, so a batch that succeeds never hashes its futures.
+        self._members: set[Future[Any]] | None = None
         self._lock = threading.Lock()
         self._sleeping: tuple[Future[Any], threading.Lock] | None = None
         self.failed = False
@@ -565,6 +572,9 @@ class FailureWatch:
 
     def __exit__(self, *exc_info: object) -> None:
         _watches.remove(self)
+        # A failure's traceback may hold the watcher's frame, and the frame
+        # this watch: it keeps no future (see the module's docstring).
+        self._futures, self._members = [], None
 
     def sleeps(self, fut: Future[Any], waiter: threading.Lock) -> bool:
         """The watching thread is about to block on ``waiter``, which ``fut``
@@ -581,7 +591,10 @@ class FailureWatch:
 
     def saw_failure(self, fut: Future[Any]) -> None:
         """``fut`` failed or was cancelled: if it is watched, wake the watcher."""
-        if fut not in self._futures:
+        members = self._members
+        if members is None:
+            members = self._members = set(self._futures)
+        if fut not in members:
             return
         with self._lock:
             self.failed = True

@@ -129,8 +129,8 @@ def test_a_worker_late_for_a_fork_that_is_gone_counts_nothing(monkeypatch, gone)
     # after the fork was cancelled, or run by the thread that waited for it.
     pool = ThreadBackend(max_workers=2)
     late = threading.Event()
-    next_task = pool._next_task
-    monkeypatch.setattr(pool, "_next_task", lambda forks: (late.wait(10), next_task(forks))[1])
+    run_tasks = pool._run_tasks  # a fresh worker's loop: its first look at the queues
+    monkeypatch.setattr(pool, "_run_tasks", lambda worker: (late.wait(10), run_tasks(worker))[1])
     spells: list[object] = []
     first_task = _budget_slots.Slot.first_task
     monkeypatch.setattr(

@@ -94,8 +94,13 @@ class Task:
         record = self.record
         if record is not None:
             record.on_start()
+        kwargs = self.kwargs
         try:
-            result = self.context.run(self.fn, *self.args, **self.kwargs)
+            # Without keywords, no "**": it would build a dict for each call.
+            if kwargs:
+                result = self.context.run(self.fn, *self.args, **kwargs)
+            else:
+                result = self.context.run(self.fn, *self.args)
         except BaseException as exc:
             outcome: tuple[Any, BaseException | None] = (None, exc)
         else:
@@ -111,9 +116,7 @@ class Task:
 
     @staticmethod
     def settle(future: Future[Any], outcome: tuple[Any, BaseException | None]) -> None:
-        # A finished future keeps no task, so no cycle that only the garbage
-        # collector breaks holds on to its result.
-        future._task = None
+        """Settle ``future`` with ``outcome``, as :meth:`call` returns it."""
         result, exception = outcome
         if exception is not None and type(exception) is KeyboardInterrupt and on_main_thread():
             # Ctrl-C landed while the main thread ran the task itself (a
@@ -188,7 +191,6 @@ class _Chunk:
                 done += 1
                 if not future._claim():
                     continue  # cancelled before the chunk reached it
-                future._task = None
                 try:
                     result = fn(*args)  # type: ignore[misc]
                 except BaseException as exc:

@@ -66,12 +66,27 @@ class PoolTask(Task):
         """Run the task in a pool's worker, whose slot is ``slot`` (unless it
         was cancelled, or another thread claimed it first): a spell of work
         begins with the first task it runs, not with one it only took."""
-        future = self.claim()
-        if future is not None:
-            if not slot.ran:
-                slot.first_task()
+        # claim(), call() and settle() inline where neither the profiler nor
+        # keywords are involved: on a worker, the task's own function is
+        # then the one Python call a task makes besides its future's.
+        future = self.future
+        if future is None or not future._claim():
+            return
+        self.future = None
+        if not slot.ran:
+            slot.first_task()
+        if self.record is not None or self.kwargs:
             self.settle(future, self.call())
-            del future  # a failure's traceback holds this frame: no cycle (see Future)
+        else:
+            try:
+                result = self.context.run(self.fn, *self.args)
+            except BaseException as exc:
+                self.fn = self.args = None  # type: ignore[assignment]
+                self.settle(future, (None, exc))
+            else:
+                self.fn = self.args = None  # type: ignore[assignment] # before any callback runs
+                future._settle(result, None)
+        del future  # a failure's traceback holds this frame: no cycle (see Future)
 
     def run(self) -> None:
         """Run the task in a thread that waits for it (unless it was cancelled,
@@ -332,27 +347,8 @@ class ThreadBackend(Backend):
                     if self._backlog():
                         self._wake_worker()
 
-    def _next_task(self, forks: collections.deque[PoolTask]) -> PoolTask | None:
-        """Its own newest fork, else the oldest task stolen from another
-        worker, else the oldest in the shared queue; None if all are empty."""
-        # Each deque is looked at before it is popped: an empty one's
-        # IndexError costs more than the look. The pop may still find it
-        # empty: its owner, or another thief, took the last task meanwhile.
-        if forks:
-            try:
-                return forks.pop()
-            except IndexError:
-                pass
-        for queue in (*self._queues, self._tasks):
-            if queue:
-                try:
-                    return queue.popleft()
-                except IndexError:
-                    pass
-        return None
-
     def _run_tasks(self, worker: _Worker) -> None:
-        slot = worker.slot
+        slot, forks, shared = worker.slot, worker.forks, self._tasks
         while True:
             # Over the limit (it went down, or a blocked worker came back):
             # stop before taking another task.
@@ -362,7 +358,25 @@ class ThreadBackend(Backend):
                 and self._retire(worker)
             ):
                 return
-            task = self._next_task(worker.forks)
+            # The next task: its own newest fork, else the oldest stolen from
+            # another worker, else the oldest in the shared queue. Each deque
+            # is looked at before it is popped: an empty one's IndexError
+            # costs more than the look. The pop may still find it empty: its
+            # owner, or another thief, took the last task meanwhile.
+            task = None
+            try:
+                if forks:
+                    task = forks.pop()
+                else:
+                    for queue in self._queues:
+                        if queue:
+                            task = queue.popleft()
+                            break
+                    else:
+                        if shared:
+                            task = shared.popleft()
+            except IndexError:
+                continue  # look again
             if task is None:
                 if _budget_slots.hook is None:
                     probe()
