@@ -82,3 +82,52 @@ def test_fork_wait_makes_no_more_python_calls_than_submit_result_across_all_thre
     assert done.returncode == 0, done.stderr
     executor, aiopar_calls = map(float, done.stdout.split())
     assert aiopar_calls <= executor, done.stdout
+
+
+COUNT_BATCH_CALLS = """
+import statistics, sys, threading, time
+if sys.argv[1] == "numpy":
+    import numpy  # loads BLAS: the budget listens to the pools from now on
+import aiopar
+
+def f():
+    return 1
+
+counting = False
+calls = 0
+
+def profile(frame, event, arg):
+    global calls
+    if counting and event == "call":
+        calls += 1
+
+threading.setprofile(profile)
+sys.setprofile(profile)
+pool = aiopar.get_backend("thread", max_workers=2)
+
+def asleep():
+    return len(pool._idle) == len(pool._workers)
+
+aiopar.wait_all([pool.fork(f) for _ in range(1000)])  # workers started, caches warm
+per_task = []
+for _ in range(5):
+    while not asleep():
+        time.sleep(0.0005)
+    calls, counting = 0, True
+    aiopar.wait_all([pool.fork(f) for _ in range(1000)])
+    while not asleep():
+        time.sleep(0.0005)
+    counting = False
+    per_task.append(calls / 1000)
+print(statistics.median(per_task))
+"""
+
+
+@pytest.mark.parametrize("program", ["pure Python", "numpy"])
+def test_a_batch_of_forks_makes_eight_python_calls_per_task_across_all_threads(program):
+    # Per task: fork, Future(), the task, enqueue; on the worker, the run,
+    # the claim, f itself and the settle. Waking and idling workers, and
+    # wait_all itself, add a few per batch, not per task.
+    done = run_python(COUNT_BATCH_CALLS, program, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 8.5, done.stdout
