@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 import time
@@ -395,3 +396,43 @@ def test_a_dropped_future_frees_its_result_without_the_garbage_collector():
             assert result() is None, f"a reference cycle keeps the result alive on {backend}"
     finally:
         gc.enable()
+
+
+VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
+
+
+def set_var(value: str) -> str:
+    VAR.set(value)
+    return VAR.get()
+
+
+@pytest.mark.parametrize("backend", ["thread", "inline"])
+@pytest.mark.parametrize("forker_sets", [True, False], ids=["forker sets a variable", "none set"])
+def test_a_fork_runs_in_a_copy_of_the_forkers_context_that_no_other_call_sees(backend, forker_sets):
+    # In a thread of its own, whose context starts empty: a forker that sets
+    # no variable is the case where no copy is kept, and each task gets a
+    # fresh context as it runs.
+    seen: list[object] = []
+
+    def forker() -> None:
+        pool = aiopar.get_backend(backend, **({"max_workers": 1} if backend == "thread" else {}))
+        if forker_sets:
+            VAR.set("forker's")
+        at_fork = VAR.get()
+        first = pool.fork(VAR.get)
+        if forker_sets:
+            VAR.set("changed after the fork")
+        now = VAR.get()
+        # With a timeout, the waiter runs no task itself: the worker does.
+        seen.append(first.wait(30) == at_fork)
+        # A task that sets the variable changes it for neither the forker
+        # nor the next task on the same worker.
+        seen.append(pool.fork(set_var, "a task's").wait(30) == "a task's")
+        seen.append(pool.fork(VAR.get).wait(30) == now)
+        seen.append(VAR.get() == now)
+        pool.shutdown()
+
+    thread = threading.Thread(target=forker)
+    thread.start()
+    thread.join(30)
+    assert seen == [True] * 4

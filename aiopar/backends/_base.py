@@ -15,6 +15,7 @@ import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from contextvars import Context
 from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, NoReturn, TypeVar
 
@@ -34,7 +35,12 @@ _NO_KWARGS: dict[str, Any] = {}  # never changed: Task.call only unpacks it
 
 
 class Task:
-    """One forked call: what to run, on which backend, and its profiler record."""
+    """One forked call: what to run, on which backend, and its profiler record.
+
+    ``context`` is the :mod:`contextvars` context the call runs in, a copy
+    of the forking thread's; None for a copy with no variable set, which
+    the call gets as a fresh context made as it runs (see :meth:`call`).
+    """
 
     __slots__ = ("args", "backend", "context", "fn", "future", "kwargs", "record")
 
@@ -44,7 +50,7 @@ class Task:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        context: contextvars.Context,
+        context: contextvars.Context | None,
         backend: Backend,
     ) -> None:
         self.future: Future[Any] | None = future
@@ -98,9 +104,9 @@ class Task:
         try:
             # Without keywords, no "**": it would build a dict for each call.
             if kwargs:
-                result = self.context.run(self.fn, *self.args, **kwargs)
+                result = (self.context or Context()).run(self.fn, *self.args, **kwargs)
             else:
-                result = self.context.run(self.fn, *self.args)
+                result = (self.context or Context()).run(self.fn, *self.args)
         except BaseException as exc:
             outcome: tuple[Any, BaseException | None] = (None, exc)
         else:
@@ -257,9 +263,11 @@ class Backend(ABC):
         ):
             _loop.start_coroutine(future, fn, args, kwargs, context)
             return future
-        # A call without keywords keeps the shared empty dict, not its own:
-        # one object fewer for the garbage collector to count per fork.
-        task = self.task_class(future, fn, args, kwargs or _NO_KWARGS, context, self)
+        # A call without keywords keeps the shared empty dict, not its own,
+        # and one without context variables no context (it gets a fresh one
+        # as it runs): objects fewer for the garbage collector to walk while
+        # a batch of forks waits, with the forks' futures and tasks.
+        task = self.task_class(future, fn, args, kwargs or _NO_KWARGS, context or None, self)
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)

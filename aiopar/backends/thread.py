@@ -26,6 +26,7 @@ import os
 import threading
 import weakref
 from asyncio import _get_running_loop
+from contextvars import Context
 from threading import get_ident
 from typing import Any, ClassVar
 
@@ -79,7 +80,7 @@ class PoolTask(Task):
             self.settle(future, self.call())
         else:
             try:
-                result = self.context.run(self.fn, *self.args)
+                result = (self.context or Context()).run(self.fn, *self.args)
             except BaseException as exc:
                 self.fn = self.args = None  # type: ignore[assignment]
                 self.settle(future, (None, exc))
