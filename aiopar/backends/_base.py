@@ -10,12 +10,11 @@ waiter is skipped, so a backend needs no bookkeeping for either.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from contextvars import Context
+from contextvars import Context, copy_context
 from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, NoReturn, TypeVar
 
@@ -50,7 +49,7 @@ class Task:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        context: contextvars.Context | None,
+        context: Context | None,
         backend: Backend,
     ) -> None:
         self.future: Future[Any] | None = future
@@ -255,7 +254,7 @@ class Backend(ABC):
         if not callable(fn):
             raise_not_callable(fn, f"{type(self).__name__}.fork()")
         future: Future[T] = Future()
-        context = contextvars.copy_context()
+        context = copy_context()
         if (
             fn.__code__.co_flags & _CO_COROUTINE
             if type(fn) is FunctionType  # the common case, checked cheaply
@@ -323,9 +322,7 @@ class Backend(ABC):
         chunk = _Chunk(fn, items, futures)
         chunk_future: Future[None] = Future()
         chunk_future._add_callback(chunk.cancel_if_cancelled)
-        task = self.task_class(
-            chunk_future, chunk, (), _NO_KWARGS, contextvars.copy_context(), self
-        )
+        task = self.task_class(chunk_future, chunk, (), _NO_KWARGS, copy_context(), self)
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)
