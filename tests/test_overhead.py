@@ -8,7 +8,9 @@ from helpers import run_python
 
 pytestmark = pytest.mark.timeout(60)
 
-COUNT_CALLS = """
+# Counts the Python calls of every thread while ``counting`` is set: the
+# pools' threads start after this, with the profile.
+COUNTING = """
 import concurrent.futures, statistics, sys, threading, time
 if sys.argv[1] == "numpy":
     import numpy  # loads BLAS: the budget listens to the pools from now on
@@ -31,10 +33,8 @@ def profile(frame, event, arg):
     if counting and event == "call":
         calls += 1
 
-# Every thread's calls: the pools' threads start after this, with the profile.
 threading.setprofile(profile)
 sys.setprofile(profile)
-executor = concurrent.futures.ThreadPoolExecutor(2)
 pool = aiopar.get_backend("thread", max_workers=2)
 
 def python_calls(run, all_asleep):
@@ -47,6 +47,12 @@ def python_calls(run, all_asleep):
         time.sleep(0.0005)
     counting = False
     return calls - 1  # less the call of run itself
+"""
+
+COUNT_CALLS = (
+    COUNTING
+    + """
+executor = concurrent.futures.ThreadPoolExecutor(2)
 
 def executor_asleep():
     return executor._idle_semaphore._value == len(executor._threads)
@@ -71,6 +77,7 @@ for _ in range(51):
     counts["aiopar"].append(python_calls(lambda: pool.fork(f).wait(timeout=5), pool_asleep))
 print(statistics.median(counts["executor"]), statistics.median(counts["aiopar"]))
 """
+)
 
 
 @pytest.mark.parametrize("program", ["pure Python", "numpy"])
@@ -84,43 +91,19 @@ def test_fork_wait_makes_no_more_python_calls_than_submit_result_across_all_thre
     assert aiopar_calls <= executor, done.stdout
 
 
-COUNT_BATCH_CALLS = """
-import statistics, sys, threading, time
-if sys.argv[1] == "numpy":
-    import numpy  # loads BLAS: the budget listens to the pools from now on
-import aiopar
-
-def f():
-    return 1
-
-counting = False
-calls = 0
-
-def profile(frame, event, arg):
-    global calls
-    if counting and event == "call":
-        calls += 1
-
-threading.setprofile(profile)
-sys.setprofile(profile)
-pool = aiopar.get_backend("thread", max_workers=2)
-
+COUNT_BATCH_CALLS = (
+    COUNTING
+    + """
 def asleep():
     return len(pool._idle) == len(pool._workers)
 
-aiopar.wait_all([pool.fork(f) for _ in range(1000)])  # workers started, caches warm
-per_task = []
-for _ in range(5):
-    while not asleep():
-        time.sleep(0.0005)
-    calls, counting = 0, True
+def batch():
     aiopar.wait_all([pool.fork(f) for _ in range(1000)])
-    while not asleep():
-        time.sleep(0.0005)
-    counting = False
-    per_task.append(calls / 1000)
-print(statistics.median(per_task))
+
+batch()  # workers started, caches warm
+print(statistics.median(python_calls(batch, asleep) / 1000 for _ in range(5)))
 """
+)
 
 
 @pytest.mark.parametrize("program", ["pure Python", "numpy"])
