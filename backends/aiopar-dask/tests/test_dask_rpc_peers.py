@@ -485,14 +485,18 @@ def test_exit_runs_queued_tasks_that_call_peers_before_leaving():
     # The peer leaves at exit only once the thread tasks still queued have
     # run: their calls once failed with "this rpc peer has shut down".
     script = """
-        import time
+        import threading, time
         import numpy as np
         import aiopar
         from aiopar import rpc
 
+        printing = threading.Lock()  # a blocked call's worker is compensated: two print at once
+
         def call(i):
             time.sleep(0.1)
-            print(rpc.rpc_sync("worker1", np.add, args=(i, 100)), flush=True)
+            value = rpc.rpc_sync("worker1", np.add, args=(i, 100))
+            with printing:
+                print(value, flush=True)
 
         rpc.init_rpc("worker0", world_size=2)
         pool = aiopar.get_backend("thread", max_workers=1)
