@@ -136,7 +136,6 @@ def start_on_asyncio(
     def done(task: asyncio.Task[Any]) -> None:
         del forks[task]
         fork.abandoned("cancelled it")  # before its first step: its body never ran
-        fork.future._task = None
 
     task.add_done_callback(done)
     # Collected unfinished, with its loop dropped. Not at exit, which runs

@@ -100,12 +100,10 @@ class Task:
         if record is not None:
             record.on_start()
         kwargs = self.kwargs
+        run = (self.context or Context()).run
         try:
             # Without keywords, no "**": it would build a dict for each call.
-            if kwargs:
-                result = (self.context or Context()).run(self.fn, *self.args, **kwargs)
-            else:
-                result = (self.context or Context()).run(self.fn, *self.args)
+            result = run(self.fn, *self.args, **kwargs) if kwargs else run(self.fn, *self.args)
         except BaseException as exc:
             outcome: tuple[Any, BaseException | None] = (None, exc)
         else:
