@@ -163,7 +163,7 @@ aiopar.fork(fut.wait).wait()
 # counts): each case runs in a child of its own.
 
 AT_EACH_CALL = """
-import dis, itertools, sys, threading
+import dis, itertools, sys, threading, time
 
 import aiopar
 from aiopar.backends.thread import ThreadBackend
@@ -171,43 +171,49 @@ from aiopar.backends.thread import ThreadBackend
 CALLS = {"CALL", "CALL_FUNCTION_EX", "CALL_KW"}
 
 
-def interrupting_after_each_call(code, action):
-    # Run action once for each call a frame of code makes, raising
-    # KeyboardInterrupt in that frame as the call returns (where CPython
-    # raises Ctrl-C); yield after each run, until a run makes no more calls.
+def interrupted(code, nth, action):
+    # Run action, raising KeyboardInterrupt in a frame of code as the nth
+    # call it makes returns (where CPython raises Ctrl-C); whether it did.
     instructions = list(dis.get_instructions(code))
     returns = {b.offset for a, b in itertools.pairwise(instructions) if a.opname in CALLS}
+    seen = 0
+
+    def in_frame(frame, event, arg):
+        nonlocal seen
+        if event == "opcode" and frame.f_lasti in returns:
+            seen += 1
+            if seen == nth:
+                raise KeyboardInterrupt
+        return in_frame
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        # Since 3.12, opcode events come through sys.monitoring, which
+        # the f_trace_opcodes setter turns on only for a frame that
+        # already has its local trace function: set that one first.
+        frame.f_trace = in_frame
+        frame.f_trace_opcodes = True
+        return in_frame
+
+    sys.settrace(tracer)
+    try:
+        action()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def interrupting_after_each_call(code, action, *, runs=True):
+    # Run action once for each call a frame of code makes, interrupted as
+    # that call returns; yield after each run, until a run makes no more
+    # calls. runs=False: the action may not run code on this thread at all.
     for nth in itertools.count(1):
-        seen = 0
-
-        def in_frame(frame, event, arg, nth=nth):
-            nonlocal seen
-            if event == "opcode" and frame.f_lasti in returns:
-                seen += 1
-                if seen == nth:
-                    raise KeyboardInterrupt
-            return in_frame
-
-        def tracer(frame, event, arg):
-            if frame.f_code is not code:
-                return None
-            # Since 3.12, opcode events come through sys.monitoring, which
-            # the f_trace_opcodes setter turns on only for a frame that
-            # already has its local trace function: set that one first.
-            frame.f_trace = in_frame
-            frame.f_trace_opcodes = True
-            return in_frame
-
-        sys.settrace(tracer)
-        try:
-            action()
-        except KeyboardInterrupt:
-            pass
-        else:
-            assert nth > 1, "the tracer saw no call return: no opcode events reached it"
+        if not interrupted(code, nth, action):
+            assert nth > 1 or not runs, "the tracer saw no call return: no opcode events reached it"
             return
-        finally:
-            sys.settrace(None)
         yield nth
 
 
@@ -229,6 +235,64 @@ print("interrupted", nth, "times")
 pool.shutdown()
 """,
         timeout=40,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("interrupted"), done.stdout
+
+
+def test_a_ctrl_c_as_any_call_of_a_process_fork_returns_keeps_the_pool_in_step():
+    # A fork to an idle worker was sent on the forking thread: a Ctrl-C as
+    # the job was recorded in flight, before its frame went, left the pool
+    # waiting for a reply the worker never owed, and the next reply broke it.
+    done = run_python(
+        AT_EACH_CALL
+        + """
+from aiopar.backends._process_pool import Pool
+from aiopar.backends._process_wire import Channel
+
+backend = aiopar.get_backend("process", max_workers=1)
+pool = backend._pool
+assert backend.fork(abs, -1).wait(timeout=60) == 1  # the worker is up, and idle
+fork = lambda: backend.fork(abs, -2).wait(timeout=10)  # cut short, it never waits
+cuts = 0
+
+
+def check(where):
+    check_free(pool._lock, where)
+    assert backend.fork(abs, -3).wait(timeout=10) == 3, where
+    assert pool._unsure is None and len(pool._idle) == 1, where
+
+
+sending = (Pool._submit_on_main_thread, Pool._send_now, Pool._send, Pool._transmit, Channel.send)
+for function in (Pool.submit, Pool._worker_for_now, *sending):
+    for nth in interrupting_after_each_call(function.__code__, fork):
+        cuts += 1
+        check(f"as call {nth} of {function.__qualname__} returned")
+# A send cut short (before, and after, its frame went) is finished by the
+# next fork, itself cut short at each of its calls in turn.
+for first in (1, 2, 3):
+    for nth in itertools.count(1):
+        assert interrupted(Pool._send_now.__code__, first, fork)
+        assert pool._unsure is not None
+        if not interrupted(Pool._finish_send.__code__, nth, fork):
+            break
+        cuts += 2
+        check(f"as call {first} of _send_now, then call {nth} of _finish_send returned")
+    check(f"as call {first} of _send_now returned, the send finished")
+# Behind a busy worker: small forks sent ahead to it, then forks queued
+# behind a call too big for that, for the manager to send.
+busy = backend.fork(time.sleep, 0.5)
+big = [b"x" * 100_000]
+for function, args in ((Pool._send_now, (abs, -2)), (Pool.submit, (len, big))):
+    for nth in itertools.count(1):
+        if not interrupted(function.__code__, nth, lambda: backend.fork(*args)):
+            break
+        cuts += 1
+assert busy.wait(timeout=10) is None
+check("as forks behind a busy worker returned")
+print("interrupted", cuts, "times")
+""",
+        timeout=50,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("interrupted"), done.stdout

@@ -106,6 +106,8 @@ class Pool:
         self._idle: list[Worker] = []
         self._start_failures = 0
         self._manager: threading.Thread | None = None
+        self._dispatch_asked = False  # the manager has been woken to send what is queued
+        self._unsure: tuple[Worker, Job] | None = None  # see _send_now
         self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
         self._wake_r = self._wake_w = -1  # the manager's wake-up pipe, made with it
         self._unmapped: deque[tuple[Worker, int]] = deque()
@@ -153,7 +155,7 @@ class Pool:
             )
 
     def submit(self, job: Job) -> None:
-        """Queue the job (and send it at once if a worker is idle); raises
+        """Queue the job, or send it at once if a worker is idle; raises
         RuntimeError if the pool was closed meanwhile."""
         if sys.path != self._sys_path:  # cheap while it is the same: compared item by item
             with self._lock:
@@ -164,6 +166,9 @@ class Pool:
             if self.closed:
                 job.packed.discard()
                 raise RuntimeError(f"cannot fork on {self.label}: it has been shut down")
+            if _interrupt.on_main_thread():
+                self._submit_on_main_thread(job)
+                return
             self._pending.append(job)
             self._dispatch()
             if self._pending:
@@ -172,11 +177,100 @@ class Pool:
                 elif len(self._workers) < self.max_workers:
                     self._wake()  # the manager starts workers
 
+    # The main thread runs the signal handlers, and there Ctrl-C raises a
+    # KeyboardInterrupt as any call returns: handing a job to a worker takes
+    # several calls (the job claimed, the worker off the idle list, the job
+    # recorded in flight, its frames sent), and one interrupted half way
+    # would leave the worker's stream out of step with what the pool
+    # expects of it. So the main thread leaves the queue to the manager,
+    # which no signal interrupts, and sends only its own small task to a
+    # worker itself (the quick round trip of a script's fork and wait),
+    # noting it first: see _send_now.
+
+    def _submit_on_main_thread(self, job: Job) -> None:
+        # Called with the lock held.
+        if self._unsure is not None:
+            self._finish_send()
+        worker = self._worker_for_now(job)
+        if worker is not None:
+            self._send_now(worker, job)
+            return
+        self._pending.append(job)
+        if self._manager is None:
+            self._start_manager()
+        elif not self._dispatch_asked:
+            self._wake()
+            self._dispatch_asked = True  # once woken: a Ctrl-C in _wake leaves it to the next fork
+
+    def _worker_for_now(self, job: Job) -> Worker | None:
+        """The worker the main thread may send the job to itself, as
+        :meth:`_dispatch` would: an idle one, else one it can be prefetched
+        onto; None if the job is to be queued. Called with the lock held."""
+        if self._pending or job.kind != wire.TASK or not _prefetchable(job):
+            return None
+        if self._idle:
+            return self._idle[-1]
+        depth = self.prefetch_depth()
+        size = len(job.packed.payload)
+        for worker in self._workers:
+            if (
+                worker.ready
+                and not worker.stopping
+                and 0 < len(worker.inflight) <= depth
+                and _queued_bytes(worker) + size <= PREFETCH_MAX_BYTES
+            ):
+                return worker
+        return None
+
+    def _send_now(self, worker: Worker, job: Job) -> None:
+        """Send a small task from the main thread to a worker that is idle
+        or can take it ahead (see :meth:`_worker_for_now`).
+
+        A signal handler's exception may end this after any call. The worker
+        and job are noted first, by a plain store, which no signal handler
+        interrupts, and the note is cleared last; whoever takes the lock next
+        to send a job or to read a reply finishes the send first
+        (:meth:`_finish_send`), so nothing that waits for the worker waits
+        for this send. The frame fits in the socket's buffer, so it goes
+        whole or not at all. Called with the lock held.
+        """
+        self._unsure = (worker, job)
+        if job.claim():
+            if worker in self._idle:
+                self._idle.remove(worker)
+            self._send(worker, job)
+        self._unsure = None
+
+    def _finish_send(self) -> None:
+        """Finish the send that a signal handler's exception cut short in
+        :meth:`_send_now`, doing each step again unless it was done. Its
+        frame may have gone: a worker drops a task frame it got twice.
+        Called with the lock held, before anything else looks at the
+        workers' jobs; a signal that cuts this short too leaves the note
+        for the next one."""
+        assert self._unsure is not None
+        worker, job = self._unsure
+        if job.claim():
+            if worker in self._idle:
+                self._idle.remove(worker)
+            if job in worker.inflight:
+                self._transmit(worker, job)
+            else:
+                self._send(worker, job)
+        else:  # its task never started: it is dropped
+            if job in worker.inflight:
+                worker.inflight.remove(job)
+            if not (worker.inflight or worker.stopping or worker in self._idle):
+                self._idle.append(worker)
+        self._unsure = None
+
     def _dispatch(self) -> None:
         """Send queued jobs to idle workers, then prefetch onto busy ones.
 
         Called with the lock held.
         """
+        if self._unsure is not None:
+            self._finish_send()
         pending = self._pending
         while pending and self._idle:
             job = pending.popleft()
@@ -192,14 +286,12 @@ class Pool:
                 break
             if not worker.ready or not worker.inflight:
                 continue
-            # What the worker has not read yet must fit in the socket's
-            # buffer: a send here must never wait for a busy worker.
-            queued = sum(len(j.packed.payload) for j in itertools.islice(worker.inflight, 1, None))
+            queued = _queued_bytes(worker)
             while pending and not worker.stopping and len(worker.inflight) <= depth:
                 job = pending[0]
-                size = len(job.packed.payload)
-                if job.packed.segment is not None or size > PREFETCH_MAX_CALL:
+                if not _prefetchable(job):
                     return  # big calls only go to a worker that is reading
+                size = len(job.packed.payload)
                 if queued + size > PREFETCH_MAX_BYTES:
                     break
                 pending.popleft()
@@ -210,6 +302,11 @@ class Pool:
     def _send(self, worker: Worker, job: Job) -> None:
         # Called with the lock held.
         worker.inflight.append(job)
+        self._transmit(worker, job)
+
+    def _transmit(self, worker: Worker, job: Job) -> None:
+        # The frames of the job, which is the last in flight on the worker.
+        # Called with the lock held.
         try:
             if worker.path_version != self._path_version:
                 # Before the task, so its function unpickles on the new path.
@@ -281,6 +378,8 @@ class Pool:
             while True:
                 timeout = None if self._deadline is None else self._enforce_deadline(settles)
                 with self._lock:
+                    self._dispatch_asked = False
+                    self._dispatch()  # what the main thread queued
                     if self._pending and len(self._workers) < self.max_workers:
                         for job, error in self._start_workers():
                             job.packed.discard()
@@ -454,11 +553,15 @@ class Pool:
             return None
         if frame.kind == wire.TRACE:  # about the running task; its result comes next
             with self._lock:
+                if self._unsure is not None:
+                    self._finish_send()
                 job = worker.inflight[0]
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
             job.forks = frame.loads()
             return None
         with self._lock:
+            if self._unsure is not None:
+                self._finish_send()
             job = worker.inflight.popleft()
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
             if not worker.inflight and not worker.stopping:
@@ -501,6 +604,8 @@ class Pool:
                     settles.append(outcome)
         returncode = worker.process.wait()
         with self._lock:
+            if self._unsure is not None:
+                self._finish_send()
             self._workers.remove(worker)
             if worker in self._idle:
                 self._idle.remove(worker)
@@ -709,6 +814,17 @@ class Pool:
                 f"result never reaches this copy of the future"
             )
             settle(job.future, (None, error))
+
+
+def _prefetchable(job: Job) -> bool:
+    """Whether the job is small enough to go to a worker that is busy."""
+    return job.packed.segment is None and len(job.packed.payload) <= PREFETCH_MAX_CALL
+
+
+def _queued_bytes(worker: Worker) -> int:
+    """What the worker has been sent and not read yet. It must fit in the
+    socket's buffer: a send must never wait for a busy worker."""
+    return sum(len(job.packed.payload) for job in itertools.islice(worker.inflight, 1, None))
 
 
 def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:

@@ -48,6 +48,8 @@ def main(fd: str, nested_backend: str) -> None:
     released: deque[int] = deque()  # parent segments this process no longer maps
     channel = wire.Channel(socket.socket(fileno=int(fd)), pool.release, released.append)
     skip: list[int] = []  # the calls of the next chunk not to make
+    # A parent whose send a signal cut short sends the task's frame again.
+    last_task = 0
     try:
         channel.send(wire.READY, os.getpid())
         while True:
@@ -55,6 +57,9 @@ def main(fd: str, nested_backend: str) -> None:
             if frame is None:
                 continue
             if frame.kind == wire.TASK:
+                if frame.msg_id == last_task:
+                    continue  # a second copy
+                last_task = frame.msg_id
                 _run(frame, channel, pool, released, _call)
             elif frame.kind == wire.CHUNK:
                 _run(frame, channel, pool, released, functools.partial(_call_chunk, skip=skip))
