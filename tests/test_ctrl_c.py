@@ -206,13 +206,12 @@ def interrupted(code, nth, action):
     return False
 
 
-def interrupting_after_each_call(code, action, *, runs=True):
+def interrupting_after_each_call(code, action):
     # Run action once for each call a frame of code makes, interrupted as
-    # that call returns; yield after each run, until a run makes no more
-    # calls. runs=False: the action may not run code on this thread at all.
+    # that call returns; yield after each run, until a run makes no more calls.
     for nth in itertools.count(1):
         if not interrupted(code, nth, action):
-            assert nth > 1 or not runs, "the tracer saw no call return: no opcode events reached it"
+            assert nth > 1, "the tracer saw no call return: no opcode events reached it"
             return
         yield nth
 
