@@ -189,8 +189,7 @@ class Pool:
 
     def _submit_on_main_thread(self, job: Job) -> None:
         # Called with the lock held.
-        if self._unsure is not None:
-            self._finish_send()
+        self._finish_send()
         worker = self._worker_for_now(job)
         if worker is not None:
             self._send_now(worker, job)
@@ -243,12 +242,13 @@ class Pool:
 
     def _finish_send(self) -> None:
         """Finish the send that a signal handler's exception cut short in
-        :meth:`_send_now`, doing each step again unless it was done. Its
-        frame may have gone: a worker drops a task frame it got twice.
-        Called with the lock held, before anything else looks at the
+        :meth:`_send_now`, if one was, doing each step again unless it was
+        done. Its frame may have gone: a worker drops a task frame it got
+        twice. Called with the lock held, before anything else looks at the
         workers' jobs; a signal that cuts this short too leaves the note
         for the next one."""
-        assert self._unsure is not None
+        if self._unsure is None:
+            return
         worker, job = self._unsure
         if job.claim():
             if worker in self._idle:
@@ -269,8 +269,7 @@ class Pool:
 
         Called with the lock held.
         """
-        if self._unsure is not None:
-            self._finish_send()
+        self._finish_send()
         pending = self._pending
         while pending and self._idle:
             job = pending.popleft()
@@ -553,15 +552,13 @@ class Pool:
             return None
         if frame.kind == wire.TRACE:  # about the running task; its result comes next
             with self._lock:
-                if self._unsure is not None:
-                    self._finish_send()
+                self._finish_send()
                 job = worker.inflight[0]
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
             job.forks = frame.loads()
             return None
         with self._lock:
-            if self._unsure is not None:
-                self._finish_send()
+            self._finish_send()
             job = worker.inflight.popleft()
             assert job.id == frame.msg_id, (job.id, frame.msg_id)
             if not worker.inflight and not worker.stopping:
@@ -604,8 +601,7 @@ class Pool:
                     settles.append(outcome)
         returncode = worker.process.wait()
         with self._lock:
-            if self._unsure is not None:
-                self._finish_send()
+            self._finish_send()
             self._workers.remove(worker)
             if worker in self._idle:
                 self._idle.remove(worker)
