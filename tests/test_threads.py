@@ -591,6 +591,24 @@ def test_a_thread_outside_the_pools_stops_counting_when_the_task_it_ran_ends():
         backend.shutdown()
 
 
+def test_a_worker_of_another_pool_that_forks_here_does_not_count_beside_its_fork():
+    # Rule 3 counts a thread outside every pool beside the forks it wakes a
+    # worker for; a worker of another pool is counted by its own pool.
+    outer, inner = ThreadBackend(max_workers=1), ThreadBackend(max_workers=1)
+
+    def fork_on_inner() -> bool:
+        fut = inner.fork(int, "1")  # wakes inner's first worker
+        counted = threading.get_ident() in inner._sharers
+        return fut.wait(10) == 1 and not counted
+
+    try:
+        assert outer.fork(fork_on_inner).wait(10)
+        settle()
+    finally:
+        outer.shutdown()
+        inner.shutdown()
+
+
 BUDGET_STRESS = """
     import collections, random, sys, threading, time
     import numpy as np

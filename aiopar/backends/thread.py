@@ -63,9 +63,9 @@ class PoolTask(Task):
     reserved: _Worker | None
     stealable = True  # in-process: a waiter may run it
 
-    def run_on_worker(self, slot: Slot) -> None:
-        """Run the task in a pool's worker, whose slot is ``slot`` (unless it
-        was cancelled, or another thread claimed it first): a spell of work
+    def run_on_worker(self, worker: _Worker) -> None:
+        """Run the task in ``worker``, a pool's worker (unless it was
+        cancelled, or another thread claimed it first): a spell of work
         begins with the first task it runs, not with one it only took."""
         # claim(), call() and settle() inline where neither the profiler nor
         # keywords are involved: on a worker, the task's own function is
@@ -74,19 +74,29 @@ class PoolTask(Task):
         if future is None or not future._claim():
             return
         self.future = None
+        slot = worker.slot
         if not slot.ran:
             slot.first_task()
         if self.record is not None or self.kwargs:
             self.settle(future, self.call())
+            del future  # a failure's traceback holds this frame: no cycle (see Future)
+            return
+        # A task forked with no context variable set runs in its worker's
+        # empty context, the same as a fresh one as long as no task leaves
+        # a variable set in it: a task that does gets the worker a new one.
+        context = self.context or worker.context
+        args = self.args
+        try:
+            result = context.run(self.fn, *args) if args else context.run(self.fn)
+        except BaseException as exc:
+            self.fn = self.args = None  # type: ignore[assignment]
+            self.settle(future, (None, exc))
         else:
-            try:
-                result = (self.context or Context()).run(self.fn, *self.args)
-            except BaseException as exc:
-                self.fn = self.args = None  # type: ignore[assignment]
-                self.settle(future, (None, exc))
-            else:
-                self.fn = self.args = None  # type: ignore[assignment] # before any callback runs
-                future._settle(result, None)
+            self.fn = self.args = None  # type: ignore[assignment] # before any callback runs
+            future._settle(result, None)
+        finally:
+            if context is worker.context and context:
+                worker.context = Context()
         del future  # a failure's traceback holds this frame: no cycle (see Future)
 
     def run(self) -> None:
@@ -119,7 +129,7 @@ class _Worker:
     """One worker thread: its deque of forks, the lock it sleeps on while
     idle, its standing in the budget, and what it runs."""
 
-    __slots__ = ("forks", "pool", "slot", "task", "thread", "wake_up")
+    __slots__ = ("context", "forks", "pool", "slot", "task", "thread", "wake_up")
 
     def __init__(self, pool: ThreadBackend) -> None:
         self.pool = pool
@@ -127,6 +137,7 @@ class _Worker:
         self.forks: collections.deque[PoolTask] = collections.deque()
         self.slot = Slot(is_worker=True)
         self.task: PoolTask | None = None  # the task it runs now, for exit reports
+        self.context = Context()
         # Held while it runs; it sleeps on it while idle, released by the
         # thread that wakes it. One lock per worker wakes exactly one.
         self.wake_up = threading.Lock()
@@ -211,6 +222,7 @@ class ThreadBackend(Backend):
         self._quiet = threading.Condition(self._lock)  # notified for drain()
         self._draining = 0  # threads in drain()
         self._workers: set[_Worker] = set()
+        self._worker_in: dict[int, _Worker] = {}  # by thread id: the thread's worker, if any
         self._blocked = 0  # workers waiting in Future.wait
         # Threads outside the pools that count beside their forks on this pool
         # (rule 3 of aiopar._budget), by thread id: they stop once no worker is busy.
@@ -229,11 +241,10 @@ class ThreadBackend(Backend):
     def enqueue(self, task: Task) -> None:
         if not isinstance(task, PoolTask):
             raise TypeError(f"{type(self).__name__} runs {PoolTask.__name__}s only")
-        # Not getattr(_current, "worker", None): on a thread-local, a missing
-        # attribute costs an AttributeError raised and caught, ten times this.
-        worker: _Worker | None = _current.__dict__.get("worker")
+        ident = get_ident()
+        worker = self._worker_in.get(ident)
         # Work-first: a task of this pool forks into its worker's own deque.
-        queue = worker.forks if worker is not None and worker.pool is self else self._tasks
+        queue = self._tasks if worker is None else worker.forks
         # "with", not acquire() then try as Future._claim has it: CPython
         # raises a Ctrl-C as a call returns, so one raised as acquire()
         # returned would leave the pool's lock held, and exit, which needs
@@ -253,9 +264,13 @@ class ThreadBackend(Backend):
                 )
                 # No more wake-ups than queued tasks.
                 and (not self._waking or self._backlog() >= self._waking)
-                and self._wake_worker(forked_here=worker is None)
+                # Only a thread outside every pool counts beside its forks,
+                # not a worker of another pool.
+                and self._wake_worker(
+                    forked_here=worker is None and _current.__dict__.get("worker") is None
+                )
             )
-            task.forker, task.reserved = get_ident(), woken or None
+            task.forker, task.reserved = ident, woken or None
             queue.append(task)
 
     def _wake_worker(self, forked_here: bool = False) -> _Worker | None:
@@ -320,12 +335,16 @@ class ThreadBackend(Backend):
     def _remove(self, worker: _Worker) -> None:
         # Called with self._lock held, for a worker whose deque is empty.
         self._workers.discard(worker)
+        ident = worker.thread.ident  # None if it never started
+        if ident is not None:
+            self._worker_in.pop(ident, None)
         self._queues = tuple(q for q in self._queues if q is not worker.forks)
         if self._draining:
             self._quiet.notify_all()
 
     def _work(self, worker: _Worker) -> None:
         _current.worker = worker
+        self._worker_in[get_ident()] = worker
         use_slot(worker.slot)
         set_waiter(worker)
         probe()
@@ -403,7 +422,7 @@ class ThreadBackend(Backend):
                     self._waking -= 1
                 continue
             worker.task = task
-            task.run_on_worker(slot)
+            task.run_on_worker(worker)
             worker.task = None
             del task  # the worker keeps no reference while it waits for the next
 
