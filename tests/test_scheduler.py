@@ -9,12 +9,15 @@ check the issue's bounds: within 3x the ideal time, with at most
 
 from __future__ import annotations
 
+import collections
 import threading
+from collections.abc import Callable
 
 import pytest
-from helpers import run_python
+from helpers import eventually, run_python
 
 import aiopar
+from aiopar.backends.thread import ThreadBackend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -269,3 +272,166 @@ def test_a_worker_that_an_error_of_aiopar_stops_leaves_the_pool_working():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[7,", "7,", "7,", "7,", "7]"], done.stdout
     assert "an error of aiopar's own" in done.stderr
+
+
+# -- a fork that finds every worker busy queues its task without the lock ----
+#
+# Each test forces one interleaving of such a fork with a worker going idle,
+# or with a shutdown, by holding one side at the step where it would race.
+
+
+class _Gated(collections.deque):  # type: ignore[type-arg]
+    """A deque whose next append first runs ``before`` (once)."""
+
+    before: Callable[[], None] | None = None
+
+    def append(self, item: object) -> None:
+        before, self.before = self.before, None
+        if before is not None:
+            before()
+        super().append(item)
+
+
+class _Announcing:
+    """A worker's wake-up lock that sets ``asleep`` as the worker goes to sleep on it."""
+
+    def __init__(self, lock: threading.Lock, asleep: threading.Event) -> None:
+        self.lock, self.asleep = lock, asleep
+
+    def acquire(self) -> bool:
+        self.asleep.set()
+        return self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def _busy_pool(shared_queue: type[_Gated] = _Gated) -> tuple[ThreadBackend, threading.Event]:
+    """A pool of one worker, busy until the event returned is set."""
+    pool = ThreadBackend(max_workers=1)
+    pool._tasks = shared_queue()
+    pool._idle = _Gated()
+    release, started = threading.Event(), threading.Event()
+    pool.fork(lambda: started.set() or release.wait(10))
+    assert started.wait(10)
+    return pool, release
+
+
+def test_a_worker_going_idle_sees_a_task_queued_after_its_last_look():
+    # The worker looked at the queues (empty) and is about to go idle when
+    # the fork, finding it still busy, queues its task and looks for an idle
+    # worker (none yet): the worker's look after going idle finds the task.
+    pool, release = _busy_pool()
+    forked: list[aiopar.Future[int]] = []
+
+    def fork_now() -> None:  # in the worker, as it goes idle, under the pool's lock
+        done = threading.Event()
+        threading.Thread(target=lambda: forked.append(pool.fork(int, "1")) or done.set()).start()
+        assert done.wait(10), "the fork waited for the pool's lock"
+
+    pool._idle.before = fork_now
+    release.set()
+    eventually(lambda: forked)
+    assert forked[0].wait(timeout=10) == 1  # with a timeout, no thread but the worker runs it
+    pool.shutdown()
+
+
+def test_a_fork_that_queued_without_the_lock_wakes_a_worker_gone_idle_meanwhile():
+    # The worker goes idle, looks at the queues again (empty) and sleeps
+    # after the fork found it busy and before the fork queued its task: the
+    # fork's look after queuing finds it idle and wakes it.
+    pool, release = _busy_pool()
+    (worker,) = pool._workers
+    asleep = threading.Event()
+    worker.wake_up = _Announcing(worker.wake_up, asleep)
+
+    def let_it_sleep() -> None:
+        release.set()
+        assert asleep.wait(10)
+
+    pool._tasks.before = let_it_sleep
+    assert pool.fork(int, "1").wait(timeout=10) == 1
+    pool.shutdown()
+
+
+def test_a_fork_that_queued_without_the_lock_as_the_pool_shut_down_is_refused():
+    # The pool shut down and its last worker stopped between the fork's look
+    # and its queuing: nobody would run the task, so the fork raises as a
+    # fork after shutdown does, and leaves nothing queued.
+    pool, release = _busy_pool()
+    (worker,) = pool._workers
+
+    def shut_down() -> None:
+        pool.shutdown(wait=False)
+        release.set()
+        worker.thread.join(10)
+        assert not worker.thread.is_alive()
+
+    pool._tasks.before = shut_down
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        pool.fork(int, "1")
+    assert not pool._tasks
+
+
+def test_a_fork_that_queued_without_the_lock_gets_a_worker_for_one_blocked_meanwhile():
+    # The one worker blocks in wait (counted out of the pool) after the fork
+    # found it busy and before the fork queued its task: the fork's look after
+    # queuing finds the pool short of a worker and starts one for the task.
+    pool = ThreadBackend(max_workers=1)
+    pool._tasks = _Gated()
+    started, block = threading.Event(), threading.Event()
+    unblock: aiopar.Future[None] = aiopar.Future()
+
+    def busy() -> None:
+        started.set()
+        assert block.wait(10)
+        unblock.wait()
+
+    held = pool.fork(busy)
+    assert started.wait(10)
+
+    def let_it_block() -> None:
+        block.set()
+        eventually(lambda: pool._blocked == 1)
+
+    pool._tasks.before = let_it_block
+    try:
+        assert pool.fork(int, "1").wait(timeout=10) == 1
+    finally:
+        unblock.set_result(None)
+    held.wait(10)
+    pool.shutdown()
+
+
+def test_a_task_left_queued_by_a_fork_ctrl_c_cut_short_runs_when_the_pool_drains():
+    # Ctrl-C as the fork's append returned skips its look for an idle worker,
+    # and the one worker went idle meanwhile: drain (as exit does) wakes it.
+    class CutShort(_Gated):
+        cut_short = False
+
+        def append(self, item: object) -> None:
+            super().append(item)
+            if self.cut_short:
+                raise KeyboardInterrupt  # as Ctrl-C does when the call returns
+
+    pool, release = _busy_pool(CutShort)
+    (worker,) = pool._workers
+    asleep = threading.Event()
+    worker.wake_up = _Announcing(worker.wake_up, asleep)
+    ran: list[str] = []
+
+    def let_it_sleep() -> None:
+        release.set()
+        assert asleep.wait(10)
+
+    pool._tasks.before, pool._tasks.cut_short = let_it_sleep, True
+    with pytest.raises(KeyboardInterrupt):
+        pool.fork(ran.append, "ran")
+    drained = threading.Thread(target=pool.drain)
+    drained.start()
+    drained.join(10)
+    try:
+        assert not drained.is_alive(), "drain waited for ever for a task no worker was woken for"
+        assert ran == ["ran"]
+    finally:
+        pool.shutdown()

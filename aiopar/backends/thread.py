@@ -245,6 +245,22 @@ class ThreadBackend(Backend):
         worker = self._worker_in.get(ident)
         # Work-first: a task of this pool forks into its worker's own deque.
         queue = self._tasks if worker is None else worker.forks
+        # Workers take queued tasks without the lock, so everything about
+        # the task is settled before it is queued.
+        task.forker = ident
+        limit = self._max_workers or _budget.interop_threads  # max_workers, inline
+        if not (self._idle or self._closed or len(self._workers) - self._blocked < limit):
+            # Every worker is busy and the pool is full, the common case of
+            # a batch of forks: no worker to wake, so the task is queued
+            # without the pool's lock, which costs as much as the rest of
+            # the fork. A worker that went idle or blocked, or a shutdown,
+            # since the look above is seen by the same look after: each
+            # writes before it reads, as this fork does (see _run_tasks).
+            task.reserved = None
+            queue.append(task)
+            if self._idle or self._closed or len(self._workers) - self._blocked < limit:
+                self._queued_without_lock(task, queue, worker is None)
+            return
         # "with", not acquire() then try as Future._claim has it: CPython
         # raises a Ctrl-C as a call returns, so one raised as acquire()
         # returned would leave the pool's lock held, and exit, which needs
@@ -253,25 +269,46 @@ class ThreadBackend(Backend):
             # A task of this pool may fork on it while it drains after shutdown.
             if self._closed and queue is self._tasks:
                 raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
-            # Workers take queued tasks without the lock, so everything about
-            # the task is settled before it is queued.
             woken = (
                 # _wake_worker's own test, first: a busy pool's forks skip the call.
-                (
-                    self._idle
-                    or len(self._workers) - self._blocked
-                    < (self._max_workers or _budget.interop_threads)  # max_workers, inline
-                )
+                (self._idle or len(self._workers) - self._blocked < limit)
                 # No more wake-ups than queued tasks.
                 and (not self._waking or self._backlog() >= self._waking)
-                # Only a thread outside every pool counts beside its forks,
-                # not a worker of another pool.
-                and self._wake_worker(
-                    forked_here=worker is None and _current.__dict__.get("worker") is None
-                )
+                and self._wake_worker(forked_here=self._forked_outside(worker is None))
             )
-            task.forker, task.reserved = ident, woken or None
+            task.reserved = woken or None
             queue.append(task)
+
+    def _queued_without_lock(
+        self, task: PoolTask, queue: collections.deque[PoolTask], by_outsider: bool
+    ) -> None:
+        """``task`` was queued without the lock while a worker went idle or
+        blocked, or the pool shut down: wake a worker for it, or take it back
+        and refuse the fork if the pool no longer takes forks from outside."""
+        with self._lock:
+            if self._closed and queue is self._tasks:
+                try:
+                    queue.remove(task)
+                except ValueError:
+                    return  # a worker took it already: it runs
+                raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+            self._wake_for_queued(self._forked_outside(by_outsider))
+
+    @staticmethod
+    def _forked_outside(by_outsider: bool) -> bool:
+        """Whether the calling thread, which is no worker of this pool if
+        ``by_outsider``, is outside every pool: only such a thread counts
+        beside its forks (rule 3 of ``aiopar._budget``)."""
+        return by_outsider and _current.__dict__.get("worker") is None
+
+    def _wake_for_queued(self, forked_here: bool = False) -> None:
+        """Wake a worker for queued tasks that no woken worker is on its way
+        to yet, if the pool has one to wake or room for one. Called with
+        self._lock held."""
+        if (
+            self._idle or len(self._workers) - self._blocked < self.max_workers
+        ) and self._backlog() > self._waking:
+            self._wake_worker(forked_here)
 
     def _wake_worker(self, forked_here: bool = False) -> _Worker | None:
         """Wake an idle worker, or start one if the pool is below its limit,
@@ -417,6 +454,14 @@ class ThreadBackend(Backend):
                         self._quiet.notify_all()
                 if sharers:
                     _budget_slots.hook.pool_quiet(sharers)  # type: ignore[union-attr] # they share
+                # A fork that found every worker busy queued its task without
+                # the lock, maybe after the look above and before this worker
+                # went idle: the fork looks for an idle worker after queuing,
+                # this worker at the queues after going idle, so one of the
+                # two sees the other.
+                if self._tasks or any(self._queues):
+                    with self._lock:
+                        self._wake_for_queued()
                 worker.wake_up.acquire()  # released by the fork that has work for it
                 with self._lock:
                     self._waking -= 1
@@ -460,6 +505,9 @@ class ThreadBackend(Backend):
             self._draining += 1
             try:
                 while not self._is_quiet():
+                    # A fork that Ctrl-C cut short after it queued its task
+                    # without the lock may have left it with every worker idle.
+                    self._wake_for_queued()
                     self._quiet.wait(_interrupt.SLICE)  # so that Ctrl-C ends it: see _interrupt
             finally:
                 self._draining -= 1
