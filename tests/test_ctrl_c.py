@@ -230,7 +230,16 @@ pool = ThreadBackend(max_workers=1)
 fork = lambda: pool.fork(int)
 for nth in interrupting_after_each_call(ThreadBackend.enqueue.__code__, fork):
     check_free(pool._lock, f"as fork's call {nth} returned")
-print("interrupted", nth, "times")
+# On a pool whose workers are all busy, a fork queues without the lock.
+gate = threading.Event()
+busy = pool.fork(gate.wait, 30)
+for more in interrupting_after_each_call(ThreadBackend.enqueue.__code__, fork):
+    check_free(pool._lock, f"as the call {more} of a fork on a busy pool returned")
+gate.set()
+assert busy.wait(30) and pool.fork(int, "7").wait(30) == 7
+pool.drain()
+assert not pool._backlog(), "a task queued by an interrupted fork was left"
+print("interrupted", nth + more, "times")
 pool.shutdown()
 """,
         timeout=40,
