@@ -328,22 +328,36 @@ class _Engine:
         if options.security is None:
             options = dataclasses.replace(options, security=_dask_worker_tls(tls or TlsFiles()))
 
-        async def main() -> None:
+        async def start(parts: _Parts) -> Peer:
             address, security = await _rendezvous.join(
                 scheduler, options.security, options.rpc_timeout
             )
             joining = dataclasses.replace(options, security=security)
-            peer = await _start_peer(address, name, rank, False, joining)
+            return await _start_peer(address, name, rank, False, joining, parts)
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            why: asyncio.Future[str] = loop.create_future()
+            # Before joining: from the moment others can see this peer, or
+            # read that it serves, a signal stops it cleanly.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, _settle_once, why, signal.Signals(signum).name)
+            parts = _Parts()
+            starting: asyncio.Future[Any] = asyncio.ensure_future(start(parts))
+            await asyncio.wait([why, starting], return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                await asyncio.wait([starting])
+                await close_peer(parts.peer, None)
+                _say(f"rpc peer {name!r} stopped before it joined: {why.result()}")
+                return
+            peer: Peer = starting.result()
             peer_id = peer.rpc_agent.worker_info.id
             which = f"rank {peer_id}" if peer_id >= 0 else f"id {peer_id}, no rank"
             _say(
                 f"rpc peer {name!r} ({which}) serves at {peer.address} "
                 f"for the scheduler at {scheduler}; Ctrl-C or SIGTERM stops it"
             )
-            why = asyncio.get_running_loop().create_future()
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, _settle_once, why, signal.Signals(signum).name)
             finished = asyncio.ensure_future(peer.finished())  # type: ignore[no-untyped-call]
             await asyncio.wait([why, finished], return_when=asyncio.FIRST_COMPLETED)
             finished.cancel()

@@ -162,6 +162,53 @@ def test_aiopar_worker_serves_until_interrupted(scheduler, leaves_nothing_behind
             helper.stderr.close()
 
 
+# ``aiopar worker``, which sends itself SIGTERM the moment it says it serves
+# (argv[2] "serves") or starts to join its scheduler ("joining").
+SIGNALLED_WORKER = """
+    import os, signal, sys
+    from aiopar import cli
+    from aiopar_dask import _engine, _rendezvous
+
+    scheduler, at, name = sys.argv[1:]
+
+    def signal_now():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if at == "serves":
+        say = _engine._say
+
+        def say_then_signal(line):
+            say(line)
+            if "serves at" in line:
+                signal_now()
+
+        _engine._say = say_then_signal
+    else:
+        join = _rendezvous.join
+
+        async def signalled_join(*args):
+            signal_now()
+            return await join(*args)
+
+        _rendezvous.join = signalled_join
+    sys.exit(cli.main(["worker", "--scheduler", scheduler, "--name", name, "--nthreads", "1"]))
+"""
+
+
+@pytest.mark.parametrize("at", ["serves", "joining"])
+def test_aiopar_worker_stops_cleanly_on_a_signal_from_its_start(scheduler, at):
+    # A SIGTERM as soon as it says it serves, or while it joins, stops the
+    # peer as one at any later time does: the handlers are in place first.
+    worker = run_python(SIGNALLED_WORKER, scheduler, at, "helper", timeout=90)
+    assert worker.returncode == 0, worker.stderr
+    said = {
+        "serves": "aiopar worker: rpc peer 'helper' stopped: SIGTERM",
+        "joining": "aiopar worker: rpc peer 'helper' stopped before it joined: SIGTERM",
+    }[at]
+    assert said in worker.stderr
+    assert wait_until(lambda: "helper" not in peer_names(scheduler), timeout=30)
+
+
 def aiopar_worker(scheduler: str, name: str, *more: str) -> subprocess.Popen[str]:
     """``aiopar worker`` as a user starts it, its messages (stderr) piped."""
     command = [sys.executable, "-m", "aiopar", "worker", "--scheduler", scheduler]
