@@ -274,6 +274,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         so a future that is not done raises TimeoutError at once
         (``Executor.map`` passes negative timeouts once its deadline passes).
         """
+        if timeout is None and self._state is FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]  # the common case, inline
         try:
             return self.wait(cf_timeout(timeout))
         finally:

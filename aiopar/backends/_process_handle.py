@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import InvalidStateError
 from .._fresh import fresh_python
 from .._future import Future
 from .._shm import SegmentPool
@@ -72,20 +71,12 @@ class Job:
         task, self.task = self.task, None
         if task is not None and task.claim() is not None:
             if self.items is not None:
-                self.skip = [i for i, item in enumerate(self.items) if not _claim_item(item)]
+                # An item whose future was cancelled (or settled by hand) is not called.
+                self.skip = [i for i, item in enumerate(self.items) if not item._claim()]
             return True
         if self.future.running():
             return True
         self.packed.discard()
-        return False
-
-
-def _claim_item(future: Future[Any]) -> bool:
-    """Whether the call of a chunk's item is to be made: False if its future
-    was cancelled (or settled by hand) before the chunk was sent."""
-    try:
-        return future.set_running_or_notify_cancel()
-    except InvalidStateError:
         return False
 
 

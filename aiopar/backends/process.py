@@ -107,7 +107,10 @@ class _Outcomes:
             if outcome is None:
                 continue  # cancelled before the chunk was sent
             ok, value = outcome
-            Task.settle(future, (value, None) if ok else (None, remote_exception(value, self.name)))
+            if ok:
+                future._settle(value, None)
+            else:
+                Task.settle(future, (None, remote_exception(value, self.name)))
 
 
 # Set in worker processes: where the forks made there go instead.
