@@ -321,19 +321,14 @@ class _Engine:
     ) -> None:
         """Run the peer ``name`` on ``scheduler`` in this process until it is
         interrupted (SIGINT, SIGTERM) or the scheduler goes away, saying on
-        stderr what it serves once it has joined, and why it stopped. Its
+        stderr what it serves once it has joined, and why it stopped (a
+        signal while it waits for the scheduler ends the wait; one while
+        its peer starts stops the peer as soon as it has started). Its
         TLS is what ``tls`` gives, the rest from dask's configuration, as
         ``dask worker`` takes them (the options' ``security`` wins)."""
         _check_security(options.security)
         if options.security is None:
             options = dataclasses.replace(options, security=_dask_worker_tls(tls or TlsFiles()))
-
-        async def start(parts: _Parts) -> Peer:
-            address, security = await _rendezvous.join(
-                scheduler, options.security, options.rpc_timeout
-            )
-            joining = dataclasses.replace(options, security=security)
-            return await _start_peer(address, name, rank, False, joining, parts)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -342,25 +337,31 @@ class _Engine:
             # read that it serves, a signal stops it cleanly.
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _settle_once, why, signal.Signals(signum).name)
-            parts = _Parts()
-            starting: asyncio.Future[Any] = asyncio.ensure_future(start(parts))
-            await asyncio.wait([why, starting], return_when=asyncio.FIRST_COMPLETED)
-            if not starting.done():
-                starting.cancel()
-                await asyncio.wait([starting])
-                await close_peer(parts.peer, None)
+            # Waiting for the scheduler may take for ever: a signal ends it.
+            joining: asyncio.Future[Any] = asyncio.ensure_future(
+                _rendezvous.join(scheduler, options.security, options.rpc_timeout)
+            )
+            await asyncio.wait([why, joining], return_when=asyncio.FIRST_COMPLETED)
+            if not joining.done():
+                joining.cancel()
+                await asyncio.wait([joining])
                 _say(f"rpc peer {name!r} stopped before it joined: {why.result()}")
                 return
-            peer: Peer = starting.result()
-            peer_id = peer.rpc_agent.worker_info.id
-            which = f"rank {peer_id}" if peer_id >= 0 else f"id {peer_id}, no rank"
-            _say(
-                f"rpc peer {name!r} ({which}) serves at {peer.address} "
-                f"for the scheduler at {scheduler}; Ctrl-C or SIGTERM stops it"
-            )
-            finished = asyncio.ensure_future(peer.finished())  # type: ignore[no-untyped-call]
-            await asyncio.wait([why, finished], return_when=asyncio.FIRST_COMPLETED)
-            finished.cancel()
+            address, security = joining.result()
+            # The peer's start is not cut short (dask logs a cancelled start
+            # as an error): a signal meanwhile stops the peer once started.
+            joined = dataclasses.replace(options, security=security)
+            peer = await _start_peer(address, name, rank, False, joined)
+            if not why.done():
+                peer_id = peer.rpc_agent.worker_info.id
+                which = f"rank {peer_id}" if peer_id >= 0 else f"id {peer_id}, no rank"
+                _say(
+                    f"rpc peer {name!r} ({which}) serves at {peer.address} "
+                    f"for the scheduler at {scheduler}; Ctrl-C or SIGTERM stops it"
+                )
+                finished = asyncio.ensure_future(peer.finished())  # type: ignore[no-untyped-call]
+                await asyncio.wait([why, finished], return_when=asyncio.FIRST_COMPLETED)
+                finished.cancel()
             reason = why.result() if why.done() else f"the scheduler at {scheduler} went away"
             await peer.close(reason="aiopar worker stopped")
             _say(f"rpc peer {name!r} stopped: {reason}")

@@ -162,8 +162,9 @@ def test_aiopar_worker_serves_until_interrupted(scheduler, leaves_nothing_behind
             helper.stderr.close()
 
 
-# ``aiopar worker``, which sends itself SIGTERM the moment it says it serves
-# (argv[2] "serves") or starts to join its scheduler ("joining").
+# ``aiopar worker``, which sends itself SIGTERM as it starts to join its
+# scheduler (argv[2] "joining"), to start its peer there ("starting"), or
+# the moment it says it serves ("serves").
 SIGNALLED_WORKER = """
     import os, signal, sys
     from aiopar import cli
@@ -174,7 +175,20 @@ SIGNALLED_WORKER = """
     def signal_now():
         os.kill(os.getpid(), signal.SIGTERM)
 
-    if at == "serves":
+    def signal_first(module, function):
+        original = getattr(module, function)
+
+        async def signalled(*args):
+            signal_now()
+            return await original(*args)
+
+        setattr(module, function, signalled)
+
+    if at == "joining":
+        signal_first(_rendezvous, "join")
+    elif at == "starting":
+        signal_first(_engine, "_registered")
+    else:
         say = _engine._say
 
         def say_then_signal(line):
@@ -183,29 +197,25 @@ SIGNALLED_WORKER = """
                 signal_now()
 
         _engine._say = say_then_signal
-    else:
-        join = _rendezvous.join
-
-        async def signalled_join(*args):
-            signal_now()
-            return await join(*args)
-
-        _rendezvous.join = signalled_join
     sys.exit(cli.main(["worker", "--scheduler", scheduler, "--name", name, "--nthreads", "1"]))
 """
 
 
-@pytest.mark.parametrize("at", ["serves", "joining"])
+@pytest.mark.parametrize("at", ["joining", "starting", "serves"])
 def test_aiopar_worker_stops_cleanly_on_a_signal_from_its_start(scheduler, at):
-    # A SIGTERM as soon as it says it serves, or while it joins, stops the
-    # peer as one at any later time does: the handlers are in place first.
+    # A SIGTERM as it joins, starts or says it serves stops the peer as one
+    # at any later time does: the handlers are in place first, and a peer
+    # that is starting starts, then stops.
     worker = run_python(SIGNALLED_WORKER, scheduler, at, "helper", timeout=90)
     assert worker.returncode == 0, worker.stderr
     said = {
-        "serves": "aiopar worker: rpc peer 'helper' stopped: SIGTERM",
         "joining": "aiopar worker: rpc peer 'helper' stopped before it joined: SIGTERM",
+        "starting": "aiopar worker: rpc peer 'helper' stopped: SIGTERM",
+        "serves": "aiopar worker: rpc peer 'helper' stopped: SIGTERM",
     }[at]
     assert said in worker.stderr
+    assert ("serves at" in worker.stderr) == (at == "serves")
+    assert "Traceback" not in worker.stderr
     assert wait_until(lambda: "helper" not in peer_names(scheduler), timeout=30)
 
 
