@@ -9,7 +9,6 @@ woken through an eventfd they watch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import threading
@@ -45,16 +44,13 @@ class Bridge:
     # A loop that runs inside a pool's thread (``asyncio.run`` in a forked
     # task) blocks that thread while it awaits forks, as a blocking wait
     # would: the thread's owner is told, so the pool can run the forks.
-    def awaiting(self, owner: _waiter.Waiter | None) -> _waiter.Waiter | None:
-        """An await starts on this loop; ``owner`` is the loop thread's waiter.
-        Returns the owner to hand to :meth:`awaited`, or None if none is told."""
-        if owner is None:
-            return None
+    def awaiting(self, owner: _waiter.Waiter) -> None:
+        """An await starts on this loop; ``owner`` is the loop thread's
+        waiter, to hand to :meth:`awaited` when the await ends."""
         self._awaiting += 1  # only the loop's own thread counts
         if self._awaiting == 1:
             owner.blocked()
             owner.blocked_long()  # nothing computes here meanwhile
-        return owner
 
     def awaited(self, owner: _waiter.Waiter) -> None:
         self._awaiting -= 1
@@ -66,8 +62,11 @@ class Bridge:
             self._batch.append(fn)
             if len(self._batch) > 1:
                 return  # a wake-up is already on its way and will run fn too
-        with contextlib.suppress(RuntimeError):  # a closed loop has nobody left to wake
+        # Once per await: a try costs nothing, contextlib.suppress three calls.
+        try:  # noqa: SIM105
             self.wake()
+        except RuntimeError:  # a closed loop has nobody left to wake
+            pass
 
     def drain(self) -> None:
         with self._lock:
@@ -112,8 +111,10 @@ def _new_asyncio_bridge(loop: asyncio.AbstractEventLoop) -> Bridge:
         return _call_soon_bridge(bridge, loop, "call_soon_threadsafe")
 
     def on_readable() -> None:
-        with contextlib.suppress(BlockingIOError):  # a late write already drained
+        try:  # noqa: SIM105 - once per wake-up, as in post()
             os.eventfd_read(fd)
+        except BlockingIOError:  # a late write already drained it
+            pass
         bridge.drain()
 
     try:
@@ -173,7 +174,9 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
 
         bridge = asyncio_bridge(loop)
         fut._add_callback(lambda _: bridge.post(wake))
-        owner = bridge.awaiting(_waiter.get_waiter())
+        owner = _waiter.get_waiter()
+        if owner is not None:
+            bridge.awaiting(owner)
         try:
             yield from waiter
         except asyncio.CancelledError:

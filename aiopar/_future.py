@@ -474,6 +474,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def __await__(self) -> Generator[Any, None, T]:
         if (state := self._state) is PENDING or state is RUNNING:
             yield from wait_on_loop(self)
+        if self._state is FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         try:
             return self.value()
         except StopIteration as exc:
