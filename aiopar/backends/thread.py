@@ -305,10 +305,8 @@ class ThreadBackend(Backend):
         """Wake a worker for queued tasks that no woken worker is on its way
         to yet, if the pool has one to wake or room for one. Called with
         self._lock held."""
-        if (
-            self._idle or len(self._workers) - self._blocked < self.max_workers
-        ) and self._backlog() > self._waking:
-            self._wake_worker(forked_here)
+        if self._backlog() > self._waking:
+            self._wake_worker(forked_here)  # which wakes none if it can't
 
     def _wake_worker(self, forked_here: bool = False) -> _Worker | None:
         """Wake an idle worker, or start one if the pool is below its limit,
