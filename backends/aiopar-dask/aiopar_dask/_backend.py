@@ -23,7 +23,7 @@ from ._cluster import LoopbackCluster, cluster_security, loopback_cluster_option
 from ._inflight import Chunk, Fork, InFlight
 from ._reach import check_scheduler_blocking
 from ._settle import Settler
-from ._worker import run_chunk, run_task, run_task_async
+from ._worker import Opaque, run_chunk, run_task, run_task_async
 
 __all__ = ["DaskBackend"]
 
@@ -194,9 +194,10 @@ class DaskBackend(Backend):
         record = task.record
         future = task.future
         assert future is not None
-        call = (runner, nested_backend, fn, task.args, task.kwargs, record is not None)
+        key = self._new_key(task.name)  # (the name is read from task.fn, cleared below)
+        call = (runner, nested_backend, Opaque((fn, task.args, task.kwargs)), record is not None)
         task.fn = task.args = task.kwargs = None  # type: ignore[assignment]
-        self._inflight.send(client, Fork(self._new_key(task.name), future, record), call)
+        self._inflight.send(client, Fork(key, future, record), call)
 
     def map(
         self, fn: Callable[..., Any], /, *iterables: Iterable[Any], chunksize: int | None = None
@@ -228,7 +229,7 @@ class DaskBackend(Backend):
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         for start in range(0, len(items), size):
             chunk = Chunk(self._new_key(name), futures[start : start + size])
-            call = (run_chunk, nested_backend, fn, items[start : start + size])
+            call = (run_chunk, nested_backend, Opaque((fn, items[start : start + size])))
             self._inflight.send(client, chunk, call)
         return futures
 

@@ -33,7 +33,7 @@ from ._settle import Settler
 __all__ = ["Chunk", "Fork", "InFlight"]
 
 # What a task runs: a function of _worker, then its arguments (the nested
-# backend's factory, the user's function, the user's arguments, ...).
+# backend's factory, the user's function and arguments as an Opaque, ...).
 Call = tuple[Any, ...]
 
 
@@ -157,7 +157,8 @@ class InFlight:
             future: distributed.Future[Any] = client.submit(*call, key=sent.key, pure=False)
         except Exception as exc:
             self._forget([sent.key])
-            what = getattr(call[2], "__qualname__", None) or type(call[2]).__qualname__
+            fn = call[2].value[0]
+            what = getattr(fn, "__qualname__", None) or type(fn).__qualname__
             error = TypeError(
                 f"{what}() cannot be sent to the cluster ({type(exc).__name__}: {exc}); "
                 f"its function and arguments must pickle"

@@ -23,7 +23,22 @@ from aiopar.lowlevel import set_waiter
 
 from ._errors import RemoteFailure, pack
 
-__all__ = ["Seceder", "run_chunk", "run_task", "run_task_async"]
+__all__ = ["Opaque", "Seceder", "run_chunk", "run_task", "run_task_async"]
+
+
+class Opaque:
+    """A task's function and arguments, hidden from dask's graph: dask reads
+    a task's arguments as part of its graph (a dask ``Task`` among them would
+    be computed first, a dask future replaced by its value), and a fork's
+    function gets its arguments as given, as on every other backend."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Opaque, (self.value,)
 
 
 class Seceder:
@@ -70,19 +85,15 @@ def _timing(t0: int, value: Any) -> tuple[Any, int, int, int, int, str]:
     return value, t0, time.time_ns(), os.getpid(), threading.get_native_id(), worker.name
 
 
-def run_task(
-    nested: Callable[[], aiopar.Backend],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    timed: bool,
-) -> Any:
-    """Run a forked call in a dask worker thread, its forks going to
+def run_task(nested: Callable[[], aiopar.Backend], call: Opaque, timed: bool) -> Any:
+    """Run a forked call, ``fn(*args, **kwargs)`` for ``call.value`` of
+    ``(fn, args, kwargs)``, in a dask worker thread, its forks going to
     ``nested()`` (with wall-clock times if ``timed``). A failure is
     returned, not raised, as a :class:`RemoteFailure`: to dask the task
     succeeded, so its worker logs no "Compute Failed" for a failure that the
     user's code handles (the future reports one nobody retrieves)."""
     t0 = time.time_ns() if timed else 0
+    fn, args, kwargs = call.value
     previous = set_waiter(Seceder(is_task=True))
     try:
         with aiopar.use_backend(nested()):
@@ -94,16 +105,11 @@ def run_task(
     return _timing(t0, value) if timed else value
 
 
-async def run_task_async(
-    nested: Callable[[], aiopar.Backend],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    timed: bool,
-) -> Any:
+async def run_task_async(nested: Callable[[], aiopar.Backend], call: Opaque, timed: bool) -> Any:
     """Await a forked coroutine function on the dask worker's event loop; its
     forks and a failure go as :func:`run_task`'s do."""
     t0 = time.time_ns() if timed else 0
+    fn, args, kwargs = call.value
     try:
         with aiopar.use_backend(nested()):
             value = await fn(*args, **kwargs)
@@ -112,14 +118,14 @@ async def run_task_async(
     return _timing(t0, value) if timed else value
 
 
-def run_chunk(
-    nested: Callable[[], aiopar.Backend], fn: Callable[..., Any], items: list[tuple[Any, ...]]
-) -> list[Any]:
-    """Run ``fn(*args)`` for each ``args`` of a chunk of ``map`` in a dask
-    worker thread, as :func:`run_task` runs a fork, and return what each gave:
+def run_chunk(nested: Callable[[], aiopar.Backend], call: Opaque) -> list[Any]:
+    """Run a chunk of ``map``, ``fn(*args)`` for each ``args`` of ``items``
+    for ``call.value`` of ``(fn, items)``, in a dask worker thread, as
+    :func:`run_task` runs a fork, and return what each gave:
     its value, or its failure as a :class:`RemoteFailure`. A failure fails its
     own item only; a ``BaseException`` (``SystemExit``, say) ends the chunk
     there, and the items after it are not run."""
+    fn, items = call.value
     results: list[Any] = []
     previous = set_waiter(Seceder(is_task=True))
     try:

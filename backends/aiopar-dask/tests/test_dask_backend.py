@@ -285,6 +285,29 @@ def test_map_runs_a_dask_task_per_chunk_and_a_future_per_item(inproc):
     assert aiopar.wait_all(inproc.map(pow, [2, 3], [5, 2])) == [32, 9]  # zip(*iterables)
 
 
+def test_a_forks_dask_key_names_its_function(inproc):
+    key, _ = inproc.fork(the_dask_task, 1).wait()
+    assert key.startswith("the_dask_task-"), key
+
+
+def test_arguments_reach_the_function_as_given_not_computed_by_dask(procs):
+    # dask reads a task's arguments as a graph: a Task among them was computed first.
+    from dask._task_spec import Task
+
+    assert procs.fork(type, Task("k", abs, -3)).wait() is Task
+    nested = procs.fork(
+        lambda xs, *, d: (type(xs[0]), type(d["t"])),
+        [Task("k", abs, -3)],
+        d={"t": Task("j", abs, 1)},
+    )
+    assert nested.wait() == (Task, Task)
+    assert procs.fork(lambda t: t(), Task("k", abs, -3)).wait() == 3
+    assert procs.fork(Task("k", abs, -3)).wait() == 3  # a Task is callable
+    assert aiopar.wait_all(procs.map(type, [Task("k", abs, -3)])) == [Task]
+    executor = aiopar.Executor(procs)
+    assert dask.compute(dask.delayed(abs)(-3), scheduler=executor) == (3,)
+
+
 def test_map_fails_an_item_alone_and_stops_a_chunk_at_a_base_exception(procs):
     futures = procs.map(odd_fails, range(20), chunksize=5)
     for x in range(10):
