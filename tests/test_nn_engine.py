@@ -65,6 +65,59 @@ def test_saturated_gates_reach_their_limits_silently(engine) -> None:
     assert (np.abs(out) <= 1).all()
 
 
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+def test_onednn_matches_numpy_at_the_tutorial_hidden_size() -> None:
+    # The golden tests run small layers; this one has the tutorial's hidden
+    # size and batch (50 rows, padded to 52), so oneDNN's kernel runs its
+    # full and partial blocks.
+    assert set_lstm_engine("onednn") == "onednn"
+    lstm = LSTM(64, 1024, bidirectional=True, seed=5)
+    x = np.random.default_rng(5).standard_normal((4, 50, 64)).astype(np.float32)
+    got, (h, c) = lstm(x)
+    set_lstm_engine("numpy")
+    want, (want_h, want_c) = lstm(x)
+    for a, b in ((got, want), (h, want_h), (c, want_c)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOLERANCE)
+
+
+# -- oneDNN's kernel ---------------------------------------------------------------
+
+#: the CPU flags of oneDNN's avx512_core, the least ISA of its packed (brgemm) f32 matmul
+AVX512_CORE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def cpu_flags() -> set[str] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
+
+
+def packed_kernel_expected() -> str | None:
+    """Why the packed-kernel test cannot run here, or None if it can."""
+    if not onednn_loads():
+        return "onednn-cpu-gomp not installed"
+    flags = cpu_flags()
+    if flags is None:
+        return "no /proc/cpuinfo to read the CPU's flags from"
+    missing = AVX512_CORE - flags
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}: oneDNN has no packed kernel for it"
+    return None
+
+
+@pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))
+def test_onednn_gets_its_packed_kernel_on_avx512() -> None:
+    # oneDNN's generic gemm:jit kernel is no faster than OpenBLAS: on an
+    # AVX-512 CPU the step must get a brgemm one, at the tutorial's shape
+    # (52 padded rows, hidden 1024) as at the self-test's.
+    assert set_lstm_engine("onednn") == "onednn"
+    line = next(ln for ln in aiopar.parallel_info().splitlines() if "LSTM engine" in ln)
+    assert "gemm:jit" not in line and ", brg:" in line, line
+    assert _onednn.load().matmul(52, 1024).implementation.startswith("brg:")
+
+
 # -- the choice -----------------------------------------------------------------
 
 

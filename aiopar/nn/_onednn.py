@@ -93,10 +93,6 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [ctypes.POINTER(_Handle), ctypes.c_int, _Dims, ctypes.c_int, ctypes.c_int],
     ),
-    "dnnl_memory_desc_create_with_strides": (
-        ctypes.c_int,
-        [ctypes.POINTER(_Handle), ctypes.c_int, _Dims, ctypes.c_int, _Dims],
-    ),
     "dnnl_memory_desc_clone": (ctypes.c_int, [ctypes.POINTER(_Handle), _Handle]),
     "dnnl_memory_desc_destroy": (ctypes.c_int, [_Handle]),
     "dnnl_memory_desc_get_size": (ctypes.c_size_t, [_Handle]),
@@ -235,26 +231,13 @@ class OneDNN:
         self._check(create(ctypes.byref(handle), *args), call)
         return _Owned(handle, getattr(self.lib, destroy))
 
-    def _md(
-        self, dims: tuple[int, ...], tag: str | None = None, strides: tuple[int, ...] = ()
-    ) -> _Owned:
-        lib = self.lib
-        if tag is not None:
-            return self._new(
-                lib.dnnl_memory_desc_create_with_tag,
-                len(dims),
-                _Dims(*dims),
-                _F32,
-                self.tags[tag],
-                destroy="dnnl_memory_desc_destroy",
-                call="memory_desc_create",
-            )
+    def _md(self, dims: tuple[int, ...], tag: str) -> _Owned:
         return self._new(
-            lib.dnnl_memory_desc_create_with_strides,
+            self.lib.dnnl_memory_desc_create_with_tag,
             len(dims),
             _Dims(*dims),
             _F32,
-            _Dims(*strides),
+            self.tags[tag],
             destroy="dnnl_memory_desc_destroy",
             call="memory_desc_create",
         )
@@ -311,7 +294,9 @@ class OneDNN:
         lib = self.lib
         src = self._md((rows, hidden), "ab")
         weights = self._md((hidden, 4 * hidden), "any")
-        dst = self._md((rows, 4 * hidden), strides=(5 * hidden, 1))  # the gates, s beside
+        # Dense, as the gates are: with a row stride of its own, oneDNN 3.2
+        # passes over its packed (brgemm) kernels for the generic gemm:jit.
+        dst = self._md((rows, 4 * hidden), "ab")
         attr = self._new(
             lib.dnnl_primitive_attr_create, destroy="dnnl_primitive_attr_destroy", call="attr"
         )
@@ -408,7 +393,7 @@ class OneDNN:
         made = ws.engine_data = _Buffers(
             self._stream(),
             self._memory(self._md((rows, hidden), "ab"), ws.h),
-            self._memory(self._md((rows, 4 * hidden), strides=(5 * hidden, 1)), ws.gates),
+            self._memory(self._md((rows, 4 * hidden), "ab"), ws.gates),
             self._memory(matmul.scratchpad_md, scratchpad),
             scratchpad,
         )
@@ -422,7 +407,7 @@ class OneDNN:
         weights = self._weights(packed, matmul)
         buffers = self._buffers(ws, matmul)
         batch = ws.tanh_c.shape[0]
-        live = ws.gates[:batch, : 4 * hidden]
+        live = ws.gates[:batch]
         args = (_ExecArg * 4)(
             _ExecArg(_ARG_SRC, buffers.src.handle),
             _ExecArg(_ARG_WEIGHTS, weights.memory.handle),

@@ -14,12 +14,15 @@ Layout and arithmetic, each measured at the tutorial's sizes (T, B, H = 50,
   rows 4 at a time and slow down on a remainder (50 rows took as long as
   56, 52 less). Padded rows of ``h`` start at zero and are never written,
   so they never need masking.
-* Gates are stored in the order (o, i, f, g), then a fifth block holding
-  the cell state as ``s = -2c``; weights and biases of o, i, f are scaled by
-  -1 and those of g by -2. Then one ``exp``, ``+ 1`` and one division by
+* Gates are stored in the order (o, i, f, g), dense: the recurrent GEMM
+  writes them whole (oneDNN's packed kernels take no strided destination).
+  The cell state is kept as ``s = -2c`` beside a copy of ``tanh(g)`` in a
+  buffer of its own; weights and biases of o, i, f are scaled by -1 and
+  those of g by -2. Then one ``exp``, ``+ 1`` and one division by
   ``[1, -2, 1, 2]`` give ``sigmoid(o), -2 sigmoid(i), sigmoid(f)`` and
-  ``1 + tanh(g)``; one multiply of blocks ``[i; f]`` by ``[g; s]`` forms
-  both terms of the next ``s``, and ``tanh(c) = 2 / (1 + exp(s)) - 1``.
+  ``1 + tanh(g)``; subtracting 1 puts ``tanh(g)`` beside ``s``, so one
+  multiply of blocks ``[i; f]`` by ``[tanh(g); s]`` forms both terms of the
+  next ``s``, and ``tanh(c) = 2 / (1 + exp(s)) - 1``.
   numpy's float32 ``tanh`` runs at half the speed of its ``exp`` on AVX2
   (table lookups through gathers), and these scalings are powers of two, so
   they are exact.
@@ -103,18 +106,19 @@ def padded(batch: int) -> int:
 
 class Workspace:
     """The buffers of one direction's run: the projection of every step,
-    the gates with the cell state beside them, ``h`` and ``tanh(c)``.
+    the gates ``(rows, 4H)``, ``tanh(g)`` with the cell state beside it
+    ``(rows, 2H)``, ``h`` and ``tanh(c)``.
 
     Sized by `fit`; the projection buffer only grows. `engine_data` is for
     an engine's handles on these buffers, which `fit` drops whenever it
     replaces one.
     """
 
-    __slots__ = ("engine_data", "gates", "h", "proj", "tanh_c")
+    __slots__ = ("engine_data", "g_s", "gates", "h", "proj", "tanh_c")
 
     def __init__(self) -> None:
         self.proj = np.empty(0, _F32)
-        self.gates = self.h = self.tanh_c = np.empty((0, 0), _F32)
+        self.gates = self.g_s = self.h = self.tanh_c = np.empty((0, 0), _F32)
         self.engine_data: object = None
 
     def fit(self, steps: int, batch: int, hidden: int) -> None:
@@ -122,7 +126,8 @@ class Workspace:
         if self.proj.size < steps * batch * 4 * hidden:
             self.proj = np.empty(steps * batch * 4 * hidden, _F32)
         if self.h.shape != (rows, hidden):
-            self.gates = np.zeros((rows, 5 * hidden), _F32)
+            self.gates = np.zeros((rows, 4 * hidden), _F32)
+            self.g_s = np.empty((rows, 2 * hidden), _F32)
             self.h = np.zeros((rows, hidden), _F32)
             self.engine_data = None
         if self.tanh_c.shape != (batch, hidden):
@@ -162,9 +167,8 @@ def workspace() -> Iterator[Workspace]:
 def numpy_step(weights: PackedWeights, ws: Workspace) -> Step:
     """The recurrent step through numpy's matmul (BLAS)."""
     batch = ws.tanh_c.shape[0]
-    four = 4 * weights.hidden_size
     matmul, add = np.matmul, np.add
-    h, w_hh_t, gates, live = ws.h, weights.w_hh_t, ws.gates[:, :four], ws.gates[:batch, :four]
+    h, w_hh_t, gates, live = ws.h, weights.w_hh_t, ws.gates, ws.gates[:batch]
 
     def step(proj_t: np.ndarray) -> None:
         matmul(h, w_hh_t, out=gates)
@@ -198,9 +202,9 @@ def run_direction(
     hidden = weights.hidden_size
     with workspace() as ws:
         ws.fit(steps, batch, hidden)
-        gates, h, tanh_c = ws.gates, ws.h, ws.tanh_c
+        h, tanh_c = ws.h, ws.tanh_c
         h.fill(0.0)
-        s = gates[:batch, 4 * hidden :]  # -2c
+        s = ws.g_s[:batch, hidden:]  # -2c
         if h0 is not None:
             h[:batch] = h0
         if c0 is None:
@@ -216,7 +220,8 @@ def run_direction(
                 _recur(
                     step_factory(weights, ws),
                     proj.reshape(steps, batch, 4 * hidden),
-                    gates[:batch],
+                    ws.gates[:batch],
+                    ws.g_s[:batch],
                     h[:batch],
                     tanh_c,
                     out,
@@ -245,6 +250,7 @@ def _recur(
     step: Step,
     proj: np.ndarray,
     gates: np.ndarray,
+    g_s: np.ndarray,
     h: np.ndarray,
     tanh_c: np.ndarray,
     out: np.ndarray,
@@ -253,32 +259,30 @@ def _recur(
     first_from_zero: bool,
     accumulate: bool,
 ) -> None:
-    """The time loop on the live rows: `gates` ``(B, 5H)``, `h` and
-    `tanh_c` ``(B, H)``; fourteen numpy calls a step, none allocating."""
+    """The time loop on the live rows: `gates` ``(B, 4H)``, `g_s` ``(B, 2H)``,
+    `h` and `tanh_c` ``(B, H)``; fourteen numpy calls a step, none allocating."""
     hidden = h.shape[1]
     numerator = _numerator(hidden)
-    four = gates[:, : 4 * hidden]
     o = gates[:, :hidden]
     in_forget = gates[:, hidden : 3 * hidden]
     in_term = gates[:, hidden : 2 * hidden]
     forget_term = gates[:, 2 * hidden : 3 * hidden]
-    g = gates[:, 3 * hidden : 4 * hidden]
-    g_and_s = gates[:, 3 * hidden :]
-    s = gates[:, 4 * hidden :]
+    g = gates[:, 3 * hidden :]
+    tanh_g, s = g_s[:, :hidden], g_s[:, hidden:]
     exp, add, subtract, multiply, divide = np.exp, np.add, np.subtract, np.multiply, np.divide
     skip_step = first_from_zero
     for t in order:
         proj_t = proj[t]
         if skip_step:  # h is zero: h @ W_hh^T is too
-            np.copyto(four, proj_t)
+            np.copyto(gates, proj_t)
             skip_step = False
         else:
             step(proj_t)
-        exp(four, out=four)
-        add(four, 1.0, out=four)
-        divide(numerator, four, out=four)  # sigmoid(o), -2 sigmoid(i), sigmoid(f), 1 + tanh(g)
-        subtract(g, 1.0, out=g)
-        multiply(in_forget, g_and_s, out=in_forget)  # -2 sigmoid(i) tanh(g), sigmoid(f) s
+        exp(gates, out=gates)
+        add(gates, 1.0, out=gates)
+        divide(numerator, gates, out=gates)  # sigmoid(o), -2 sigmoid(i), sigmoid(f), 1 + tanh(g)
+        subtract(g, 1.0, out=tanh_g)
+        multiply(in_forget, g_s, out=in_forget)  # -2 sigmoid(i) tanh(g), sigmoid(f) s
         add(in_term, forget_term, out=s)  # the next s = -2c
         exp(s, out=tanh_c)
         add(tanh_c, 1.0, out=tanh_c)
