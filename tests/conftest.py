@@ -4,10 +4,10 @@ collector is off for tests of reference cycles."""
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import pytest
+from helpers import gc_off as gc_off  # shared with the plugin's suite
 
 import aiopar
 
@@ -22,15 +22,6 @@ ASYNC_BACKENDS = [
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     """Used by ``@pytest.mark.anyio`` tests: asyncio, uvloop and trio."""
     return request.param
-
-
-@pytest.fixture
-def gc_off():
-    """The garbage collector off during the test: what a reference cycle holds stays."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 @pytest.fixture

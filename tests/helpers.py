@@ -1,17 +1,23 @@
 """Helpers for tests that run Python in a child process, so a hang fails the
 test (by its timeout) instead of stalling the suite, and for tests that wait
-until another thread or process has got somewhere."""
+until another thread or process has got somewhere.
+
+Both suites use them: the aiopar-dask plugin's ``dask_helpers`` re-exports
+them, and its conftest the fixtures."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import pytest
 
 
 def python(
@@ -61,10 +67,27 @@ def start_python(code: str, *args: str, **kwargs: Any) -> subprocess.Popen[str]:
     )
 
 
+def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
+    """Call ``condition`` every ``interval`` seconds until it is true (True)
+    or ``timeout`` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def eventually(predicate: Callable[[], object], timeout: float = 30) -> None:
     """Return once ``predicate()`` is true; fail the test after ``timeout``
     seconds. For state no event tells of: another thread's or process's."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {predicate}"
-        time.sleep(0.005)
+    assert wait_until(predicate, timeout, interval=0.005), f"timed out waiting for {predicate}"
+
+
+@pytest.fixture
+def gc_off() -> Iterator[None]:
+    """The garbage collector off during the test: what a reference cycle holds stays."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()

@@ -3,7 +3,6 @@ ERROR, and the garbage collector off for tests of reference cycles."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 
@@ -13,6 +12,7 @@ os.environ["DASK_LOGGING__DISTRIBUTED"] = "error"
 import dask
 import pytest
 from dask_helpers import Leftovers, loopback_cluster, wait_until
+from helpers import gc_off as gc_off  # the core suite's, shared
 
 from aiopar import rpc
 
@@ -25,15 +25,6 @@ def scheduler():
     """The address of a scheduler alone, on loopback, for peers to join."""
     with loopback_cluster(n_workers=0) as cluster:
         yield cluster.scheduler_address
-
-
-@pytest.fixture
-def gc_off():
-    """The garbage collector off during the test: what a reference cycle holds stays."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
-"""Helpers for the plugin's tests: loopback clusters, child interpreters,
-waiting, what a test leaves behind, and functions that peers run.
+"""Helpers for the plugin's tests: loopback clusters, what a test leaves
+behind, functions that peers run, and the helpers both suites share (child
+interpreters, waiting), which live in the core's tests/helpers.py and are
+re-exported here.
 
 The functions that workers and peers run travel by name, so the worker
 processes import them from here.
@@ -9,13 +11,10 @@ from __future__ import annotations
 
 import queue
 import socket
-import subprocess
 import sys
-import textwrap
 import threading
-import time
 import weakref
-from collections.abc import Callable
+from pathlib import Path
 
 import distributed
 import psutil
@@ -25,9 +24,19 @@ from aiopar_dask import DaskBackend
 import aiopar
 from aiopar import rpc
 
+# The shared helpers' directory, for a child interpreter that imports this
+# module by its own directory's path as much as for pytest.
+_SHARED = str(Path(__file__).resolve().parents[3] / "tests")
+if _SHARED not in sys.path:
+    sys.path.append(_SHARED)
+
+from helpers import run_python as run_python  # noqa: E402
+from helpers import start_python as start_python  # noqa: E402
+from helpers import wait_until as wait_until  # noqa: E402
+
 LOOPBACK = "127.0.0.1"
 
-# -- clusters and child interpreters -----------------------------------------------
+# -- clusters ------------------------------------------------------------------------
 
 
 def loopback_cluster(n_workers: int) -> distributed.LocalCluster:
@@ -41,39 +50,6 @@ def loopback_cluster(n_workers: int) -> distributed.LocalCluster:
         protocol="tcp://",
         dashboard_address=f"{LOOPBACK}:0",
     )
-
-
-def _command(script: str, args: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-c", textwrap.dedent(script), *args]
-
-
-def run_python(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` (dedented) with ``args`` in a fresh interpreter to its end,
-    its output captured as text; after ``timeout`` seconds it is killed and
-    TimeoutExpired fails the test."""
-    return subprocess.run(_command(script, args), capture_output=True, text=True, timeout=timeout)
-
-
-def start_python(script: str, *args: str) -> subprocess.Popen[str]:
-    """Start ``script`` (dedented) with ``args`` in a fresh interpreter, its
-    output piped as text; the caller waits for it, and kills it."""
-    return subprocess.Popen(
-        _command(script, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-# -- waiting, and what a test leaves behind -------------------------------------------
-
-
-def wait_until(condition: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
-    """Call ``condition`` every ``interval`` seconds until it is true (True)
-    or ``timeout`` seconds have passed (False)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 def tasks_to_run(backend: DaskBackend) -> int:
