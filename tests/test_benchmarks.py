@@ -1,5 +1,6 @@
 """The benchmarks run end to end at a small size; overhead.py judges its targets.
-(lstm.py runs in test_nn_examples.py, with torch and without.)"""
+(lstm.py runs in test_nn_examples.py, with torch and without; async_app.py
+runs here in its --quick mode, three uvicorn servers for about 20 s.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import python
 from rich.console import Console
 
@@ -66,3 +68,16 @@ def test_fork_cost_benchmark_runs_and_takes_the_time_apart() -> None:
     parts = ("garbage collector", "hand-off", "submit", "task wrapper", "future, task and call")
     for part in parts:
         assert part in result.stdout
+
+
+def test_async_app_benchmark_runs_and_prints_its_tables() -> None:
+    for module in ("aiohttp", "uvicorn", "starlette"):
+        pytest.importorskip(module)
+    result = python("benchmarks/async_app.py", "--quick", cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "| work offloaded | concurrency | req/s: aiopar / anyio / run_in_executor |" in out
+    for work in ("numpy 300x300 matmul", "a no-op", "`time.sleep(0.05)`"):
+        assert f"| {work} | 10 |" in out
+    assert "| `aiopar.fork` (default pool) |" in out
+    assert "wrong responses: {'aiopar': 0, 'anyio': 0, 'run_in_executor': 0}" in out
