@@ -3,13 +3,23 @@
 ``tests`` and ``plugins`` run aiopar's suite and its plugins' in the
 environment the command installed them into; ``core`` runs aiopar's suite
 again on the newest Python CI has, in a fresh environment. On a machine
-without that Python, ``core`` is skipped, and nox says so. The three run at
-once: each spends much of its time waiting for the processes it starts.
+without that Python, ``core`` is skipped, and nox says so. ``lint`` runs
+ruff (lint and format check), the import-linter contracts and mypy --strict
+on aiopar and the plugin. The four run at once: the suites spend much of
+their time waiting for the processes they start, and ``lint`` takes under a
+minute of one core.
 
 The plugins' suite takes about as much CPU time as the other two together,
 so it runs in two pytest-xdist workers, a test file to each at a time (a
 file's cluster fixtures start once): four pytest processes share the cores,
 and no session is left running alone at the end.
+
+The tests that check aiopar against torch need ``torch``, which is no
+dependency of aiopar. Before those two suites start, the ``torch`` session
+installs it where pip finds a file of ``TORCH`` on this machine for the
+Python at hand (a CPU wheel in pip's ``find-links``, say), which takes half
+a minute, not a download; ``core`` does the same in its environment.
+Elsewhere those tests skip, saying torch is not installed.
 """
 
 from __future__ import annotations
@@ -17,14 +27,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import nox
 
 NEWEST_PYTHON = "3.13"
 PLUGIN_WORKERS = ("--numprocesses", "2", "--dist", "loadfile")
+PLUGIN = "backends/aiopar-dask"
+TORCH = "torch==2.13.0"
 
-nox.options.sessions = ["tests", "plugins", "core"]
-nox.options.parallel = 3
+nox.options.sessions = ["tests", "plugins", "core", "lint"]
+nox.options.parallel = 4
 nox.options.error_on_missing_interpreters = False  # even with CI set, as CI runs it
 nox.options.download_python = "never"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -66,16 +80,45 @@ def _pytest(session: nox.Session, *args: str) -> None:
     session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
 
 
+def _install_local_torch(session: nox.Session, python: str) -> None:
+    """Install ``TORCH`` into ``python``'s environment if it has no torch and
+    pip finds a file of it on this machine for that Python; otherwise say why
+    the tests that need torch skip.
+
+    pip runs from this interpreter (``--python`` points it at the
+    environment), so an environment without pip of its own is served too; its
+    configuration says where the local files are. The probe is offline
+    (``--no-index``), so a machine with no such file never starts a download.
+    """
+    find = "import sys, importlib.util as u; sys.exit(u.find_spec('torch') is None)"
+    has_torch = [python, "-c", find]
+    if subprocess.run(has_torch, capture_output=True).returncode == 0:
+        session.log("torch is installed already: the tests that need it run")
+        return
+    pip = [sys.executable, "-m", "pip", "--python", python, "install"]
+    probe = [*pip, "--dry-run", "--no-deps", "--no-index", "--ignore-installed", TORCH]
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        session.log(f"no local file of {TORCH} for this Python: the tests that need torch skip")
+        return
+    session.run(*pip, "--quiet", TORCH, external=True)
+
+
 @nox.session(python=False, allow_parallel=True)
+def torch(session: nox.Session) -> None:
+    """torch into the test command's environment, where this machine has a file of it."""
+    _install_local_torch(session, sys.executable)
+
+
+@nox.session(python=False, allow_parallel=True, requires=["torch"])
 def tests(session: nox.Session) -> None:
     """aiopar's own suite, in the environment the test command installed."""
     _pytest(session, "tests")
 
 
-@nox.session(python=False, allow_parallel=True)
+@nox.session(python=False, allow_parallel=True, requires=["torch"])
 def plugins(session: nox.Session) -> None:
     """The aiopar-dask plugin's suite, in the same environment."""
-    _pytest(session, "backends/aiopar-dask/tests", *PLUGIN_WORKERS)
+    _pytest(session, f"{PLUGIN}/tests", *PLUGIN_WORKERS)
 
 
 @nox.session(python=NEWEST_PYTHON, allow_parallel=True)
@@ -83,5 +126,23 @@ def core(session: nox.Session) -> None:
     """aiopar's own suite on the newest Python, in a fresh environment."""
     # The plugin too: the core's tests check the layering across both, and
     # run the docs' distributed examples.
-    session.install("-e", ".[test]", "-e", "./backends/aiopar-dask")
+    session.install("-e", ".[test]", "-e", f"./{PLUGIN}")
+    _install_local_torch(session, str(Path(session.bin, "python")))
     _pytest(session, "tests")
+
+
+@nox.session(python=False, allow_parallel=True)
+def lint(session: nox.Session) -> None:
+    """ruff and the import contracts on the checkout, mypy --strict on both packages.
+
+    mypy runs twice, each time from the directory whose pyproject.toml holds
+    the package's settings (the plugin's allows calls into dask.distributed's
+    untyped parts); its cache lives in nox's, not in the checkout."""
+    session.run("python", "-m", "ruff", "check", ".")
+    session.run("python", "-m", "ruff", "format", "--check", ".")
+    session.run("lint-imports", "--no-cache")
+    cache = str((session.cache_dir / "mypy").resolve())
+    session.run("python", "-m", "mypy", "--strict", "--cache-dir", cache, "aiopar")
+    with session.chdir(PLUGIN):
+        plugin_cache = f"{cache}-{Path(PLUGIN).name}"
+        session.run("python", "-m", "mypy", "--strict", "--cache-dir", plugin_cache, "aiopar_dask")
