@@ -1,6 +1,7 @@
-"""DESIGN.md section 4's layering, as import-linter contracts (pyproject.toml's
-[tool.importlinter]): no import cycle of any kind, arrows one way, public
-names only where the design says so."""
+"""The layering of docs/design.md, as import-linter contracts (pyproject.toml's
+[tool.importlinter]): no import cycle of any kind, arrows one way in aiopar
+and in the plugin, public names only where the design says so, and each
+package's private modules its own."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import pytest
 from helpers import python
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"aiopar": ROOT / "aiopar", "aiopar_dask": ROOT / "backends/aiopar-dask/aiopar_dask"}
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def lint_imports(cwd: Path, **kwargs) -> tuple[int, str]:
-    """import-linter's verdict on the aiopar importable from ``cwd``, under
-    the repository's contracts."""
+    """import-linter's verdict on the aiopar and aiopar_dask importable from
+    ``cwd``, under the repository's contracts."""
     done = python(
         "-c",
         "from importlinter.cli import lint_imports_command; lint_imports_command()",
@@ -40,30 +42,43 @@ def test_the_import_contracts_hold():
     [
         # the budget knows no event loop
         (
-            "_budget.py",
+            "aiopar/_budget.py",
             "from . import _loop",
             "aiopar._budget is not allowed to import aiopar._loop",
         ),
         # an import inside a function that closes a cycle counts too
         (
-            "_future.py",
+            "aiopar/_future.py",
             "def _late():\n    from . import _api",
             "No import cycle of any kind BROKEN",
         ),
         # the models use public names only
         (
-            "nn/module.py",
+            "aiopar/nn/module.py",
             "from .. import _future",
             "aiopar.nn is not allowed to import aiopar._future",
         ),
         # a new module takes its place in the layers
-        ("_newcomer.py", "x = 1", "aiopar._newcomer"),
+        ("aiopar/_newcomer.py", "x = 1", "aiopar._newcomer"),
+        # another package's private modules are its own
+        (
+            "aiopar_dask/_backend.py",
+            "from aiopar.rpc import _rref",
+            "aiopar_dask._backend -> aiopar.rpc._rref",
+        ),
+        # the plugin is layered too: its errors know nothing of its backend
+        (
+            "aiopar_dask/_errors.py",
+            "from . import _backend",
+            "aiopar_dask._errors is not allowed to import aiopar_dask._backend",
+        ),
+        ("aiopar_dask/_newcomer.py", "x = 1", "aiopar_dask._newcomer"),
     ],
 )
 def test_an_import_against_the_design_breaks_a_contract(tmp_path, module, line, broken):
-    copy = tmp_path / "aiopar"
-    shutil.copytree(ROOT / "aiopar", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(copy / module, "a") as source:  # or a new module
+    for name, package in PACKAGES.items():
+        shutil.copytree(package, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / module, "a") as source:  # or a new module
         source.write(f"\n\n{line}  # noqa\n")
-    status, report = lint_imports(tmp_path)  # the copy shadows the checkout
+    status, report = lint_imports(tmp_path)  # the copies shadow the checkout
     assert status != 0 and broken in report, report
