@@ -130,7 +130,7 @@ class DaskBackend(Backend):
                 # dask's Client waits without limit for a server that never answers
                 seconds = _CONNECT_TIMEOUT if timeout is None else timeout
                 tls = security if isinstance(security, Security) else None
-                check_scheduler_blocking(address, tls, seconds)
+                address = check_scheduler_blocking(address, tls, seconds)
                 self._client = Client(address, security=tls, set_as_default=False, timeout=seconds)
         elif isinstance(client, Client):
             self._client = client

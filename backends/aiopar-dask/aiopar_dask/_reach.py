@@ -50,18 +50,23 @@ async def check_scheduler(
     *,
     role: str = "client",
     tls_advice: str = TLS_ADVICE,
-) -> None:
-    """Return once a dask scheduler answers at ``address``, within ``timeout``
-    seconds (0, or more than a lock can wait: dask's connect timeout),
-    reached with ``security``'s connection arguments for ``role``.
+) -> str:
+    """Return the address of the dask scheduler at ``address`` as dask
+    reaches it, once it answers, within ``timeout`` seconds (0, or more
+    than a lock can wait: dask's connect timeout), reached with
+    ``security``'s connection arguments for ``role``.
+
+    A ``tcp://`` address is reached as ``tls://`` when ``security`` has
+    certificates and the server there speaks TLS: a scheduler is named by
+    its host and port, and the certificates say how to reach it.
 
     Raises OSError naming ``address`` and what was found there: nothing
     (the connection is refused, or the host name does not resolve), a server
     that accepts and stays silent (TimeoutError), an HTTP server, another
     dask server, a scheduler that takes TLS when this process has no
-    certificates (or the other way round: each message names TLS and ends
-    with ``tls_advice``), or something else that does not speak dask's
-    protocol.
+    certificates, or none when ``security`` requires encryption (each
+    message names TLS and ends with ``tls_advice``), or something else
+    that does not speak dask's protocol.
     """
     if not 0 < timeout <= threading.TIMEOUT_MAX:
         timeout = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
@@ -69,14 +74,15 @@ async def check_scheduler(
     scheme, location = parse_address(address)
     endpoint = parse_host_port(location) if scheme in ("tcp", "tls") else None
     connection_args = {} if security is None else security.get_connection_args(role)
-    if scheme == "tls" and connection_args.get("ssl_context") is None:
+    context = connection_args.get("ssl_context")
+    if scheme == "tls" and context is None:
         raise OSError(
             f"the scheduler at {address} takes TLS, and this process has no TLS "
             f"certificates: {tls_advice}"
         )
     if endpoint is not None:
         try:
-            await wait_for_listener(*endpoint, deadline, connection_args.get("ssl_context"))
+            tls = await wait_for_listener(*endpoint, deadline, context)
         except TimeoutError:
             raise TimeoutError(
                 f"no dask scheduler at {address}: connecting to it took more than {timeout:g} s"
@@ -90,6 +96,19 @@ async def check_scheduler(
                 f"no dask scheduler at {address}: the connection was refused for "
                 f"{timeout:g} s ({exc.strerror or exc}); nothing listens on that port"
             ) from exc
+        if scheme == "tcp" and tls:
+            scheme, address = "tls", f"tls://{location}"
+    if scheme == "tcp" and connection_args.get("require_encryption"):
+        required = "this process's Security requires encryption (require_encryption=True)"
+        if context is None:
+            raise OSError(
+                f"{required} and has no TLS certificates for the scheduler at {address}: "
+                f"{tls_advice}; or give a Security without require_encryption"
+            )
+        raise OSError(
+            f"the scheduler at {address} takes no TLS, and {required}: start the "
+            f"scheduler with TLS, or give a Security without require_encryption"
+        )
     # Keep a moment to ask what answers, if it is no dask scheduler.
     spare = min(1.0, timeout / 5) if endpoint is not None else 0.0
     try:
@@ -115,6 +134,7 @@ async def check_scheduler(
     kind = identity.get("type") if isinstance(identity, dict) else type(identity).__name__
     if not str(kind).endswith("Scheduler"):  # (aiopar's own are TlsSchedulers)
         raise OSError(f"no dask scheduler at {address}: a dask {kind} answers there")
+    return address
 
 
 async def _explain(
@@ -149,17 +169,18 @@ async def _explain(
 
 async def wait_for_listener(
     host: str, port: int, deadline: float | None, context: ssl.SSLContext | None = None
-) -> None:
-    """Return once ``host:port`` accepts a connection (see :func:`accepts`);
-    until ``deadline`` (``time.monotonic()``; None: no limit) one that
-    fails is tried again (the scheduler may be starting). Raises
-    TimeoutError if a try outlasts the deadline, ``socket.gaierror`` for a
-    host name that does not resolve, and ConnectionRefusedError once the
-    deadline has passed."""
-    while not await accepts(host, port, deadline, context):
+) -> bool:
+    """Return once ``host:port`` accepts a connection (see :func:`accepts`),
+    whether it spoke TLS; until ``deadline`` (``time.monotonic()``; None:
+    no limit) one that fails is tried again (the scheduler may be
+    starting). Raises TimeoutError if a try outlasts the deadline,
+    ``socket.gaierror`` for a host name that does not resolve, and
+    ConnectionRefusedError once the deadline has passed."""
+    while (tls := await _listener(host, port, deadline, context)) is None:
         if deadline is not None and time.monotonic() + RETRY >= deadline:
             raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
         await asyncio.sleep(RETRY)
+    return tls
 
 
 async def accepts(
@@ -172,18 +193,29 @@ async def accepts(
     fails tells that something listens: True. Raises TimeoutError past
     ``deadline``, and ``socket.gaierror`` for a host name that does not
     resolve."""
+    return await _listener(host, port, deadline, context) is not None
+
+
+async def _listener(
+    host: str, port: int, deadline: float | None, context: ssl.SSLContext | None
+) -> bool | None:
+    """:func:`accepts`, telling what accepted: None if nothing did, else
+    whether it spoke TLS (with ``context``: the handshake ended, or broke
+    off over certificates or with a TLS alert, all of which only a TLS
+    server sends)."""
     left = None if deadline is None else max(deadline - time.monotonic(), 0)
     try:
         async with asyncio.timeout(left):
             _, writer = await asyncio.open_connection(host, port, ssl=context)
-    except ssl.SSLError:
-        return True
+    except ssl.SSLError as exc:
+        reason = exc.reason or ""
+        return "ALERT" in reason or "CERTIFICATE" in reason
     except (TimeoutError, socket.gaierror):
         raise
     except OSError:
-        return False
+        return None
     writer.close()
-    return True
+    return context is not None
 
 
 async def _speaks_tls(host: str, port: int, deadline: float) -> bool:
@@ -218,19 +250,21 @@ async def _http_status(host: str, port: int, deadline: float) -> str | None:
     return None
 
 
-def check_scheduler_blocking(address: str, security: Any, timeout: float) -> None:
+def check_scheduler_blocking(address: str, security: Any, timeout: float) -> str:
     """:func:`check_scheduler` from synchronous code, whether or not this
     thread runs an event loop (it runs in a thread of its own)."""
-    failure: list[BaseException] = []
+    outcome: list[Any] = []
 
     def look() -> None:
         try:
-            asyncio.run(check_scheduler(address, security, timeout))
+            outcome.append(asyncio.run(check_scheduler(address, security, timeout)))
         except BaseException as exc:
-            failure.append(exc)
+            outcome.append(exc)
 
     thread = threading.Thread(target=look, name="aiopar-dask-reach", daemon=True)
     thread.start()
     thread.join()
-    if failure:
-        raise failure[0]
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    reached: str = outcome[0]
+    return reached

@@ -24,7 +24,7 @@ import threading
 import time
 
 from distributed import Security, SpecCluster
-from distributed.comm.addressing import parse_address, parse_host_port, unparse_host_port
+from distributed.comm.addressing import parse_address, parse_host_port
 
 from . import _credentials
 from ._cluster import cluster_security, scheduler_spec
@@ -115,11 +115,11 @@ def _cannot_start(address: str, why: BaseException) -> OSError:
 async def join(
     address: str, security: Security | bool | None, timeout: float
 ) -> tuple[str, Security | None]:
-    """The scheduler at ``address`` to join, as dask reaches it, and the
-    security to join it with: ``security`` itself (a ``tcp://`` address is
-    reached as ``tls://`` when it asks for TLS), none for False, and for
-    None, at a ``tcp://`` address, the certificates rank 0 left for the
-    ranks of this machine, if it did.
+    """The scheduler at ``address`` to join, as dask reaches it (see
+    ``check_scheduler``: ``tls://`` for a TLS scheduler at a ``tcp://``
+    address), and the security to join it with: ``security`` itself, none
+    for False, and for None, at a ``tcp://`` address, the certificates
+    rank 0 left for the ranks of this machine, if it did.
 
     Waits up to ``timeout`` seconds (0 or more than a lock can wait: no
     limit) while nothing listens there. Raises TimeoutError if nothing
@@ -132,16 +132,14 @@ async def join(
     found: Security | None = None
     if isinstance(security, Security):
         found = security
-        if where is not None and security.require_encryption:
-            address = f"tls://{unparse_host_port(*where)}"
     elif security is None and where is not None:
         found = await _certificates_of_rank_0(address, where, deadline)
-        if found is not None:
-            address = f"tls://{unparse_host_port(*where)}"
     left = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
     advice = {"tls_advice": RENDEZVOUS_TLS_ADVICE} if where is not None else {}
-    await check_scheduler(address, found, left, role="worker", **advice)  # a peer is a worker
-    return address, found
+    reached = await check_scheduler(
+        address, found, left, role="worker", **advice
+    )  # a peer is a worker
+    return reached, found
 
 
 async def _certificates_of_rank_0(

@@ -592,6 +592,42 @@ def test_tls_through_dasks_security():
         backend.shutdown()
 
 
+def test_a_tls_scheduler_at_a_tcp_address_is_reached_with_the_certificates_given():
+    # init_rpc and aiopar worker reached it so; use_backend said it "takes TLS only".
+    pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+    security = distributed.Security.temporary()
+    with distributed.LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        processes=False,
+        host="127.0.0.1",
+        protocol="tls://",
+        security=security,
+        dashboard_address="127.0.0.1:0",
+    ) as cluster:
+        port = cluster.scheduler_address.rsplit(":", 1)[1]
+        address = f"tcp://127.0.0.1:{port}"
+        with aiopar.use_backend("dask", address=address, security=security) as backend:
+            assert aiopar.fork(double, 5).wait() == 10
+            assert backend.client.scheduler.address == f"tls://127.0.0.1:{port}"
+        backend.shutdown()
+        with pytest.raises(OSError, match="takes TLS only"):  # no certificates: said so
+            with aiopar.use_backend("dask", address=address):
+                pass
+
+
+def test_a_scheduler_without_tls_when_encryption_is_required_is_named_so():
+    # It read as "no dask scheduler at ...".
+    with loopback_cluster(n_workers=0) as cluster:
+        address = cluster.scheduler_address
+        tls = distributed.Security(require_encryption=True)
+        with pytest.raises(OSError, match="requires encryption") as raised:
+            with aiopar.use_backend("dask", address=address, security=tls, timeout=10):
+                pass
+        assert "no dask scheduler" not in str(raised.value)
+        assert address in str(raised.value)
+
+
 def test_a_silent_address_fails_within_the_timeout_naming_it():
     # dask's own connect waited 30 s, and use_backend took no timeout.
     script = """
