@@ -74,3 +74,25 @@ def test_a_killed_script_leaves_no_cluster_process_behind(tmp_path):
         time.sleep(0.1)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not alive, f"still running after their script was killed: {alive}"
+
+
+@pytest.mark.parametrize(
+    "uses",
+    [
+        "with aiopar.use_backend('dask', n_workers=1, processes=False):\n"
+        "    aiopar.fork(abs, -1).wait()\n",
+        "rpc.init_rpc('worker0', world_size=1)\nrpc.shutdown()\n",
+    ],
+    ids=["backend", "rpc"],
+)
+def test_a_script_named_distributed_py_fails_with_an_import_error_naming_it(uses, tmp_path):
+    # The plugin's `import distributed` imported the script again, which hung for ever.
+    script = tmp_path / "distributed.py"
+    script.write_text(f"import aiopar\nfrom aiopar import rpc\n{uses}")
+    done = subprocess.run(
+        [sys.executable, script.name], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: "), done.stderr
+    assert str(script) in last and "rename it" in last, last
