@@ -5,7 +5,9 @@ The work it runs first is the awaited task itself if it has not started
 (so ``wait(fork(f))`` costs about a function call, and a task that waits
 never starves its pool), then, in a work-first pool's worker, the tasks the
 thread forked that are still queued. Timeouts take two rules: aiopar's own
-for ``wait()`` and concurrent.futures' for ``result()`` and ``exception()``.
+for ``wait()``, which bounds only the blocking (the awaited task still runs
+here first), and concurrent.futures' for ``result()`` and ``exception()``,
+which bounds the whole call (the awaited task is left to its pool).
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ _sniffio_thread = sniffio.thread_local
 _FRAMES_PER_STEAL = 12
 
 
-def help_first(fut: Any, task: Any, timeout: float | None) -> None:
+def help_first(fut: Any, task: Any) -> None:
     """Before this thread blocks on ``fut``, run the work it can: ``task``,
-    the one behind ``fut``, if it has not started and no timeout is given;
-    then, in a work-first pool's worker, the tasks the thread forked that
-    are still queued, newest first, with or without a timeout.
+    the one behind ``fut`` (None if the caller must not run it), if it has
+    not started; then, in a work-first pool's worker, the tasks the thread
+    forked that are still queued, newest first.
 
     Warns first if an event loop runs in this thread, which the wait stalls.
     Work it runs nests in this thread's stack: a deep stack runs nothing
@@ -54,7 +56,7 @@ def help_first(fut: Any, task: Any, timeout: float | None) -> None:
     run_own_forks = None if owner is None else getattr(owner, "run_own_forks", None)
     state["steals"] = steals + 1
     try:
-        if timeout is None and task is not None and task.stealable:
+        if task is not None and task.stealable:
             task.run()  # does nothing unless it wins the claim
         if run_own_forks is not None:
             run_own_forks(fut)

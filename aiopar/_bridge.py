@@ -162,7 +162,10 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
     """Suspend the running coroutine until ``fut`` is done.
 
     If the coroutine is cancelled meanwhile and ``cancel`` is true, ``fut`` is
-    cancelled too, which succeeds only if its task has not started.
+    cancelled too, which succeeds only if its task has not started. Either
+    way ``fut`` is abandoned: if it fails and nobody reads the failure, that
+    is logged at DEBUG only, as ``asyncio.to_thread`` says nothing of the
+    failure of a call whose caller was cancelled.
     """
     loop = _get_running_loop()
     if loop is not None:
@@ -180,8 +183,7 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
         try:
             yield from waiter
         except asyncio.CancelledError:
-            if cancel:
-                fut.cancel()
+            _give_up(fut, cancel)
             raise
         finally:
             if owner is not None:
@@ -194,6 +196,16 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
         "awaiting an aiopar Future needs a running asyncio, uvloop or trio event loop; "
         "outside one, call fut.wait() instead"
     )
+
+
+def _give_up(fut: Any, cancel: bool) -> None:
+    """The coroutine awaiting ``fut`` was cancelled: cancel ``fut`` if asked
+    (it never runs if it has not started), and abandon it either way, so
+    that a failure nobody reads is no error (a late cancel abandons it)."""
+    if cancel:
+        fut.cancel()
+    else:
+        fut._abandon()
 
 
 async def _wait_on_trio(fut: Any, cancel: bool) -> None:
@@ -210,8 +222,7 @@ async def _wait_on_trio(fut: Any, cancel: bool) -> None:
     def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
         nonlocal aborted
         aborted = True
-        if cancel:
-            fut.cancel()
+        _give_up(fut, cancel)
         return trio.lowlevel.Abort.SUCCEEDED
 
     bridge = _bridge(token, _new_trio_bridge)

@@ -99,7 +99,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         self._lock = threading.Lock()
         self._task: Any = None  # the forked task behind this future, if any
         # Set while a failure nobody has read yet would be logged when the
-        # future is collected; a future that succeeds never gets one.
+        # future is collected; a future that succeeds gets one only if it
+        # was abandoned first (see _abandon).
         self._unretrieved: Unretrieved | None = None
 
     def __repr__(self) -> str:
@@ -142,11 +143,29 @@ class Future(Generic[T], concurrent.futures.Future[T]):
 
         Returns True if the future is now cancelled (its task will never
         run), False if the task is running or the future is already settled.
-        A running task is never interrupted.
+        A running task is never interrupted, but a cancel that comes too
+        late still says its outcome is not wanted: if the task fails and
+        nobody reads the failure, that is logged at DEBUG, not as an error
+        (a cancelled ``await`` of the future cancels it so).
         """
+        if self._cancel_from(PENDING):
+            return True
+        self._abandon()
+        return self.cancelled()
+
+    def _cancel_claimed(self) -> bool:
+        """Cancel a future whose task was claimed but never started (a
+        process task sent ahead to a worker that was stopped before it got
+        to it), which :meth:`cancel` refuses as running; False if the
+        future is not running. Only the code that claimed it knows."""
+        return self._cancel_from(RUNNING)
+
+    def _cancel_from(self, state: str) -> bool:
+        """``state`` -> cancelled, waiters and callbacks told; False if the
+        future is in another state."""
         with self._lock:
-            if self._state is not PENDING:
-                return self.cancelled()
+            if self._state is not state:
+                return False
             self._state = CANCELLED_AND_NOTIFIED
             self._task = None  # it will never run: let it go
             waiters, callbacks = self._waiters, self._callbacks
@@ -157,22 +176,54 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             _tell_watches(self)
         return True
 
+    def _abandon(self) -> None:
+        """Whoever waited for this future gave up on it (a cancelled
+        ``await``, a wait ended by Ctrl-C, a late :meth:`cancel`): a failure
+        nobody reads is logged at DEBUG, not as an error."""
+        with self._lock:
+            report = self._unretrieved
+            if report is None:
+                if self._state not in _WAITING:
+                    return  # it succeeded, was cancelled, or its failure was read
+                # Made now, filled in by _settle if the future fails.
+                report = self._unretrieved = Unretrieved(self, None)
+            report.abandon()
+
     # -- settling ----------------------------------------------------------
 
     def set_result(self, result: T) -> None:
-        """Settle the future with a value; a second settle raises InvalidStateError."""
-        if not self._settle(result, None):
-            raise InvalidStateError(f"{self!r} is already done; a future is settled only once")
+        """Settle a future made with ``Future()`` with a value.
+
+        Raises InvalidStateError if it is done already (a future is settled
+        once) or if it is the future of a forked task, which its task settles.
+        """
+        self._settle_by_hand(result, None, "set_result")
 
     def set_exception(self, exception: BaseException) -> None:  # type: ignore[override] # None is refused
-        """Settle the future with an exception; a second settle raises InvalidStateError."""
+        """Settle a future made with ``Future()`` with an exception (a class
+        is instantiated); raises InvalidStateError as :meth:`set_result` does."""
         if isinstance(exception, type) and issubclass(exception, BaseException):
             exception = exception()
         if not isinstance(exception, BaseException):
             raise TypeError(
                 f"set_exception() takes an exception instance, got {type(exception).__name__}"
             )
-        if not self._settle(None, exception):
+        self._settle_by_hand(None, exception, "set_exception")
+
+    def _settle_by_hand(self, result: Any, exception: BaseException | None, method: str) -> None:
+        # A forked task's future stays open to its task only: settled from
+        # outside, the task's own outcome would be dropped, or the task
+        # would never run (its claim fails) while its waiters had a value.
+        task = self._task
+        if task is not None:
+            raise InvalidStateError(
+                f"{method}() on {self!r}, the future of the forked task {task.name}(): "
+                f"only its task settles it. {method}() is for a Future() you made yourself; "
+                f"to stop the task, cancel() it (it never runs if it has not started), and "
+                f"to pass on another outcome, settle a Future() of your own or chain one "
+                f"with then()"
+            )
+        if not self._settle(result, exception):
             raise InvalidStateError(f"{self!r} is already done; a future is settled only once")
 
     def _claim(self) -> bool:
@@ -211,7 +262,11 @@ class Future(Generic[T], concurrent.futures.Future[T]):
                 # it, so waiting often on a failed future grows nothing.
                 self._result = exception.__traceback__
                 self._exception = exception
-                self._unretrieved = Unretrieved(self, exception)
+                report = self._unretrieved
+                if report is None:
+                    self._unretrieved = Unretrieved(self, exception)
+                else:  # made when the future was abandoned (see _abandon)
+                    report.exception = exception
             self._state = FINISHED
             waiters, callbacks = self._waiters, self._callbacks
             self._waiters = self._callbacks = None
@@ -248,16 +303,20 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until the future is done and return its value or raise its exception.
 
-        If the future's task has not started and no timeout is given, the
-        calling thread runs the task itself, so waiting never starves a pool
-        of workers. Raises TimeoutError if ``timeout`` seconds pass first.
+        If the future's task has not started (on a backend that runs tasks
+        in this process), the calling thread runs it first, with or without
+        a timeout: waiting never starves a pool, and ``wait(fork(f))`` costs
+        about a call of ``f``. So ``timeout`` bounds the time spent blocked
+        on a task that runs elsewhere, not a task this thread runs; when it
+        passes, TimeoutError is raised. For a bound on the whole call, use
+        :meth:`result`, whose timeout is :mod:`concurrent.futures`' own.
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
         if (state := self._state) is PENDING or state is RUNNING:
             # _block() inline: wait(fork(f)) reaches f a call sooner (help_first runs it).
             task = self._task
-            help_first(self, task, timeout)
+            help_first(self, task)
             if self._state in _WAITING and not self._sleep(timeout, task):
                 raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         if self._state is FINISHED and self._exception is None:
@@ -270,14 +329,20 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def result(self, timeout: float | None = None) -> T:
         """:meth:`wait` as :mod:`concurrent.futures` spells it, with its timeouts.
 
-        ``None`` waits for ever; a timeout of 0 or less does not wait at all,
-        so a future that is not done raises TimeoutError at once
+        ``None`` waits for ever (and runs a task that has not started, as
+        :meth:`wait` does). A timeout bounds the whole call: the task is
+        left to its backend (a pool's worker still runs the tasks it forked
+        first, as before any wait), and one of 0 or less does not wait at
+        all, so a future that is not done raises TimeoutError at once
         (``Executor.map`` passes negative timeouts once its deadline passes).
         """
-        if timeout is None and self._state is FINISHED and self._exception is None:
-            return self._result  # type: ignore[no-any-return]  # the common case, inline
+        if timeout is None:
+            if self._state is FINISHED and self._exception is None:
+                return self._result  # type: ignore[no-any-return]  # the common case, inline
+        elif not self._block(cf_timeout(timeout)):
+            raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         try:
-            return self.wait(cf_timeout(timeout))
+            return self.wait()
         finally:
             del self  # no cycle: see the module's docstring
 
@@ -305,12 +370,14 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """Wait until done or ``timeout`` passes; True if done.
 
         The calling thread first runs the work it can (see
-        :func:`aiopar._blocking.help_first`), then blocks.
+        :func:`aiopar._blocking.help_first`): the future's own task only
+        without a timeout, which then bounds the whole call, as
+        :mod:`concurrent.futures`' timeouts do. Then it blocks.
         """
         if self._state not in _WAITING:
             return True
         task = self._task
-        help_first(self, task, timeout)
+        help_first(self, task if timeout is None else None)
         if self._state not in _WAITING:
             del self  # the task may have failed below this frame: no cycle (module docstring)
             return True
@@ -341,6 +408,9 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         try:
             if watch is None or watch.sleeps(self, waiter):
                 released = block(waiter, timeout, task)
+        except KeyboardInterrupt:
+            self._abandon()  # Ctrl-C ended the wait: as a cancelled await, it gave up
+            raise
         finally:
             if watch is not None:
                 watch.woke()
