@@ -305,3 +305,75 @@ def test_tasks_queued_at_exit_may_still_use_a_thread_pool_executor():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"task {i} {i}" for i in range(3)], done.stderr
+
+
+def read_stderr_until(proc, text: str) -> str:
+    """Read the child's stderr up to a line containing ``text``; return it all."""
+    err = ""
+    while text not in err:
+        line = proc.stderr.readline()
+        assert line, f"the child never said {text!r}: {err}{proc.communicate()}"
+        err += line
+    return err
+
+
+# A task that runs until the child is killed, on each kind of backend; the
+# process backend's grace is long, so only Ctrl-C ends exit's wait.
+RUNS_UNTIL_KILLED = """
+    import sys, time, aiopar
+
+    def forever():
+        print("running", flush=True)
+        time.sleep(3600)
+
+    backend = aiopar.get_backend({backend!r}, **{options!r})
+    fut = backend.fork(forever)
+    {then}
+"""
+BACKENDS = {"thread": {}, "process": {"max_workers": 1, "grace": 3600}}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_ctrl_c_while_exit_waits_says_one_line_on_every_backend(backend):
+    # On the process backend, exit waited in the pool's own atexit handler,
+    # where Ctrl-C printed "Exception ignored in atexit callback" and a
+    # traceback, and nothing named the running task.
+    code = RUNS_UNTIL_KILLED.format(
+        backend=backend, options=BACKENDS[backend], then='print("waiting", flush=True); fut.wait()'
+    )
+    proc = start_python(code)
+    try:
+        out = wait_for_line(proc, "waiting")
+        if "running" not in out:
+            wait_for_line(proc, "running")
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        err = read_stderr_until(proc, "aiopar: waiting for 1 running task")
+        assert time.monotonic() - sent < 10, "exit said nothing for a long while"
+        assert f"forever ({backend})" in err
+        assert err.count("Traceback") == 1, err  # the first Ctrl-C's, of the main thread
+        interrupt_exits_at_once(proc)
+        rest = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert "aiopar: interrupted again, exiting without waiting" in rest
+    assert "Traceback" not in rest and "Exception ignored" not in rest, rest
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exit_says_which_task_it_waits_for_and_ctrl_c_ends_it_on_every_backend(backend):
+    proc = start_python(
+        RUNS_UNTIL_KILLED.format(backend=backend, options=BACKENDS[backend], then="")
+    )
+    try:
+        wait_for_line(proc, "running")
+        err = read_stderr_until(proc, "aiopar: waiting for 1 running task")
+        assert f"forever ({backend})" in err and "Traceback" not in err, err
+        interrupt_exits_at_once(proc)
+        rest = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert "aiopar: interrupted again, exiting without waiting" in rest
+    assert "Traceback" not in rest and "Exception ignored" not in rest, rest

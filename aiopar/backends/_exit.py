@@ -5,9 +5,12 @@ while every thread and backend is still up: it drains every backend (and
 aiopar's own event loop) round after round until none had anything left,
 then runs the plugins' exit hooks (:func:`at_exit`). The second, an
 :mod:`atexit` handler, shuts every backend down. After an uncaught
-KeyboardInterrupt, tasks that have not started never do. Either stage says
-on stderr what it waits for once it has waited a second; a second Ctrl-C
-then exits at once.
+KeyboardInterrupt, tasks that have not started never do.
+
+From the start of the first stage to the end of the second, whatever waits
+(a stage, or a backend's own exit handler between them): once exit has
+waited a second, it says on stderr which tasks it waits for, as soon as
+one runs; and Ctrl-C exits at once, saying so in one line.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours, below
 import os
+import signal
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from types import FrameType
+from typing import Any, Protocol
 
-from .. import _loop
+from .. import _interrupt, _loop
 from .._log import logger as _logger
 
 __all__ = ["Stoppable", "at_exit", "track"]
@@ -70,23 +75,58 @@ def _interrupted() -> bool:
     return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
 
 
+#: how often, once exit has waited a second, it looks for running tasks to name
+REPORT_EVERY = 0.2
+
+
+class _Exiting:
+    """What holds from the first stage of exit to the end of the last: the
+    thread that says what exit waits for, and Ctrl-C exiting at once."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reporter = threading.Thread(
+            target=_report_waiting, args=(self.done,), name="aiopar-exit-report", daemon=True
+        )
+        self.reporter.start()
+        self.previous_handler: Any = None
+        # A handler of the program's own stays: only Python's default one,
+        # which would raise KeyboardInterrupt in whatever exit runs then, goes.
+        if _interrupt.on_main_thread() and signal.getsignal(signal.SIGINT) is (
+            signal.default_int_handler
+        ):
+            self.previous_handler = signal.signal(signal.SIGINT, _exit_now)
+
+    def end(self) -> None:
+        self.done.set()
+        if self.previous_handler is not None and signal.getsignal(signal.SIGINT) is _exit_now:
+            signal.signal(signal.SIGINT, self.previous_handler)
+
+
+_exiting: _Exiting | None = None
+
+
+def _exit_now(signum: int = signal.SIGINT, frame: FrameType | None = None) -> None:
+    """Ctrl-C while exit waits: exit now, in one line, not a traceback."""
+    sys.stderr.write("aiopar: interrupted again, exiting without waiting\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(130)
+
+
 def _at_exit_stage(stage: Callable[[list[Stoppable]], None]) -> None:
-    """Run one stage of interpreter exit on the live backends, saying on
-    stderr what it waits for once it has waited a second; Ctrl-C then exits
-    at once."""
-    backends = list(_live_backends)
-    report = threading.Timer(1.0, _report_waiting, (backends,))
-    report.daemon = True
-    report.start()
+    """Run one stage of interpreter exit on the live backends; the first
+    stage begins what holds until the last has run (see :class:`_Exiting`)."""
+    global _exiting
+    if _exiting is None:
+        _exiting = _Exiting()
     try:
-        stage(backends)
-    except KeyboardInterrupt:
-        sys.stderr.write("aiopar: interrupted again, exiting without waiting\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(130)
+        stage(list(_live_backends))
+    except KeyboardInterrupt:  # the program's own SIGINT handler raised it
+        _exit_now()
     finally:
-        report.cancel()
+        if stage is _shutdown_all:
+            _exiting.end()
 
 
 def _drain_all(backends: list[Stoppable]) -> None:
@@ -138,15 +178,24 @@ threading._register_atexit(_at_exit_stage, _drain_all)  # type: ignore[attr-defi
 atexit.register(_at_exit_stage, _shutdown_all)
 
 
-def _report_waiting(backends: list[Stoppable]) -> None:
-    running = [
-        f"{name} ({backend.name})" for backend in backends for name in backend.running_tasks()
-    ]
-    running += [f"{name} (coroutine)" for name in _loop.owned_loop_running()]
-    if running:
-        sys.stderr.write(
-            f"aiopar: waiting for {len(running)} running task"
-            f"{'s' if len(running) != 1 else ''} to finish before exit: "
-            f"{', '.join(running)}; press Ctrl-C again to exit now\n"
-        )
-        sys.stderr.flush()
+def _report_waiting(done: threading.Event) -> None:
+    """Once exit has waited a second, and then as soon as a task runs, say
+    on stderr which tasks it waits for; once."""
+    if done.wait(1.0):
+        return
+    while True:
+        backends = list(_live_backends)
+        running = [
+            f"{name} ({backend.name})" for backend in backends for name in backend.running_tasks()
+        ]
+        running += [f"{name} (coroutine)" for name in _loop.owned_loop_running()]
+        if running:
+            break
+        if done.wait(REPORT_EVERY):
+            return
+    sys.stderr.write(
+        f"aiopar: waiting for {len(running)} running task"
+        f"{'s' if len(running) != 1 else ''} to finish before exit: "
+        f"{', '.join(running)}; press Ctrl-C again to exit now\n"
+    )
+    sys.stderr.flush()
