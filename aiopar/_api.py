@@ -287,11 +287,12 @@ def as_completed(futs: Iterable[Future[T]], timeout: float | None = None) -> _As
 def wrap(obj: Any) -> Future[Any]:
     """Adopt a ``concurrent.futures.Future``, an asyncio future, anything
     with the ``concurrent.futures`` callback protocol (a ``dask.distributed``
-    Future), or any awaitable.
+    Future), a ``torch.futures.Future``, or any awaitable.
 
     The returned future settles when the original does. Cancelling it
-    cancels the original. An awaitable that is not a future runs on the
-    caller's event loop if one is running, else on aiopar's loop thread.
+    cancels the original (a torch future has no cancel: it runs on). An
+    awaitable that is not a future runs on the caller's event loop if one
+    is running, else on aiopar's loop thread.
     """
     if isinstance(obj, Future):
         return obj
@@ -313,13 +314,25 @@ def wrap(obj: Any) -> Future[Any]:
             return await obj
 
         _loop.start_coroutine(adopted, await_it, (), {}, contextvars.copy_context())
+    elif all(callable(getattr(obj, name, None)) for name in ("add_done_callback", "wait", "then")):
+        # torch's protocol (torch.futures.Future): wait() returns the value or raises
+        obj.add_done_callback(lambda src: _copy_waited(src, adopted))
     else:
         raise TypeError(
             "wrap() takes a concurrent.futures.Future (or an object with its add_done_callback, "
-            "result, exception, cancelled and cancel), an asyncio future or an awaitable, "
-            f"got {describe_type(obj)}; to run a function, use aiopar.fork(fn, *args)"
+            "result, exception, cancelled and cancel), an asyncio future, a torch future or an "
+            f"awaitable, got {describe_type(obj)}; to run a function, use aiopar.fork(fn, *args)"
         )
     return adopted
+
+
+def _copy_waited(source: Any, target: Future[Any]) -> None:
+    """Settle ``target`` as ``source``, a done torch future, was settled."""
+    try:
+        target._settle(source.wait(), None)
+    except BaseException as error:
+        target._settle(None, error)
+        del source, target  # the error's traceback holds this frame: no cycle (see Future)
 
 
 class TaskGroup:

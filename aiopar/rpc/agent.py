@@ -20,6 +20,7 @@ import enum
 import inspect
 import os
 import re
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -347,31 +348,52 @@ def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
     A coroutine that ``fn`` returns is wrapped in an :class:`aiopar.Future`,
     to be awaited on aiopar's loop thread. The Future an
-    ``@async_execution`` function returns is not a value to send: the agent
-    replies with its outcome once it is done, from its done-callback,
-    holding no thread meanwhile. Raises what ``fn`` raises, and TypeError if
-    an ``@async_execution`` function returns something else than a Future
-    or a coroutine, or if any other function returns a Future (as torch).
+    ``@async_execution`` function returns (aiopar's, or a
+    ``torch.futures.Future``, adopted with :func:`aiopar.wrap`) is not a
+    value to send: the agent replies with its outcome once it is done, from
+    its done-callback, holding no thread meanwhile. Raises what ``fn``
+    raises, and TypeError if an ``@async_execution`` function returns
+    something else than a Future or a coroutine, or if any other function
+    returns a Future (as torch).
     """
     result = fn(*args, **kwargs)
     try:
         if inspect.iscoroutine(result):
             return wrap(result)  # a coroutine function: awaited on aiopar's loop thread
-        if isinstance(result, Future) != is_async_execution(fn):
-            if isinstance(result, Future):
+        is_future = isinstance(result, Future) or _is_torch_future(result)
+        if is_future != is_async_execution(fn):
+            if is_future:
                 # torch fails such a call at once too: a Future is no value to send
                 raise TypeError(
-                    f"{_name(fn)} returned an aiopar.Future: decorate it with "
+                    f"{_name(fn)} returned a Future ({_type_name(result)}): decorate it with "
                     f"@rpc.functions.async_execution for its caller to get the Future's "
                     f"value once it is done, or return the value itself"
                 )
             raise TypeError(
                 f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
-                f"return an aiopar.Future, but it returned {type(result).__name__}"
+                f"return an aiopar.Future (or a torch.futures.Future), but it returned "
+                f"{_type_name(result)}"
             )
-        return result
+        return wrap(result) if is_future else result
     finally:
         del result  # a Future that failed inside fn holds this frame: no cycle (see Future)
+
+
+def _is_torch_future(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.futures.Future`` (torch is never imported
+    here: a process that has not imported it has none)."""
+    torch = sys.modules.get("torch")
+    kind = getattr(getattr(torch, "_C", None), "Future", None)
+    return kind is not None and isinstance(obj, kind)
+
+
+def _type_name(obj: object) -> str:
+    kind = type(obj)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
 
 
 def is_async_execution(fn: Callable[..., Any]) -> bool:
