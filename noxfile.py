@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 NEWEST_PYTHON = "3.13"
 PLUGIN_WORKERS = ("--numprocesses", "2", "--dist", "loadfile")
@@ -135,14 +136,26 @@ def core(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff and the import contracts on the checkout, mypy --strict on both packages.
 
-    mypy runs twice, each time from the directory whose pyproject.toml holds
-    the package's settings (the plugin's allows calls into dask.distributed's
-    untyped parts); its cache lives in nox's, not in the checkout."""
-    session.run("python", "-m", "ruff", "check", ".")
-    session.run("python", "-m", "ruff", "format", "--check", ".")
-    session.run("lint-imports", "--no-cache")
-    cache = str((session.cache_dir / "mypy").resolve())
-    session.run("python", "-m", "mypy", "--strict", "--cache-dir", cache, "aiopar")
-    with session.chdir(PLUGIN):
-        plugin_cache = f"{cache}-{Path(PLUGIN).name}"
-        session.run("python", "-m", "mypy", "--strict", "--cache-dir", plugin_cache, "aiopar_dask")
+    Every check runs, even after one fails, so one run shows every problem.
+    mypy runs once per package, from the directory whose pyproject.toml
+    holds that package's settings (the plugin's allows calls into
+    dask.distributed's untyped parts); its cache lives in nox's, not in the
+    checkout."""
+    cache = (session.cache_dir / "mypy").resolve()
+    mypy = ["python", "-m", "mypy", "--strict", "--cache-dir"]
+    checks = {
+        "ruff check": (".", ["python", "-m", "ruff", "check", "."]),
+        "ruff format --check": (".", ["python", "-m", "ruff", "format", "--check", "."]),
+        "lint-imports": (".", ["lint-imports", "--no-cache"]),
+        "mypy aiopar": (".", [*mypy, str(cache), "aiopar"]),
+        "mypy aiopar_dask": (PLUGIN, [*mypy, f"{cache}-plugin", "aiopar_dask"]),
+    }
+    failed = []
+    for name, (where, command) in checks.items():
+        with session.chdir(where):
+            try:
+                session.run(*command)
+            except CommandFailed:
+                failed.append(name)
+    if failed:
+        session.error(f"failed: {', '.join(failed)}")
