@@ -371,8 +371,8 @@ def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
                 )
             raise TypeError(
                 f"{_name(fn)} is decorated with @rpc.functions.async_execution, so it must "
-                f"return an aiopar.Future (or a torch.futures.Future), but it returned "
-                f"{_type_name(result)}"
+                f"return an aiopar.Future, but it returned {_type_name(result)} (a "
+                f"torch.futures.Future, or a coroutine, does too)"
             )
         return wrap(result) if is_future else result
     finally:

@@ -56,7 +56,9 @@ def test_an_async_execution_function_may_return_a_torch_future():
     assert reply.wait(timeout=10) == 2
     with pytest.raises(TypeError, match=r"returned a Future \(torch\."):
         run_callee(returns_a_torch_future_undecorated, (), {})
-    with pytest.raises(TypeError, match=r"must return an aiopar\.Future \(or a torch"):
+    with pytest.raises(
+        TypeError, match=r"must return an aiopar\.Future, but it returned int \(a torch"
+    ):
         run_callee(rpc.functions.async_execution(lambda: 1), (), {})
 
 
