@@ -44,12 +44,16 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
+
+if TYPE_CHECKING:  # the servers never load the client's library
+    import aiohttp
 
 CONTENDERS = ("aiopar", "anyio", "run_in_executor")
 #: the environment variable that tells a server which contender it is
@@ -199,7 +203,9 @@ class Load:
         return 1000 * statistics.quantiles(self.latencies, n=100)[98]
 
 
-async def closed_loop(session, url: str, concurrency: int, seconds: float, load: Load) -> None:
+async def closed_loop(
+    session: aiohttp.ClientSession, url: str, concurrency: int, seconds: float, load: Load
+) -> None:
     """``concurrency`` clients, each sending a request as soon as its last
     one is answered, until ``seconds`` have passed; the requests in flight
     then finish, and count."""
@@ -220,7 +226,11 @@ async def closed_loop(session, url: str, concurrency: int, seconds: float, load:
 
 
 async def measure_point(
-    servers: list[Server], sessions: dict[str, object], work: str, concurrency: int, args
+    servers: list[Server],
+    sessions: dict[str, aiohttp.ClientSession],
+    work: str,
+    concurrency: int,
+    args: argparse.Namespace,
 ) -> dict[str, Load]:
     """Each server loaded in turn, ``args.rounds`` times, after a short warm-up each."""
     for server in servers:  # threads started, connections open, caches warm
@@ -319,7 +329,9 @@ def micro_table(calls: int, medians: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
-async def load_servers(servers: list[Server], args) -> list[tuple[str, int, dict[str, Load]]]:
+async def load_servers(
+    servers: list[Server], args: argparse.Namespace
+) -> list[tuple[str, int, dict[str, Load]]]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=300)
