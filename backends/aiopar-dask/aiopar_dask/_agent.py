@@ -52,6 +52,10 @@ As :data:`aiopar.backends.thread.COMPENSATION_LIMIT` does for a thread pool.
 _logger = logging.getLogger("aiopar.rpc")
 
 _CONNECT_TIMEOUT = 5.0  # a peer that does not accept a connection by then is gone
+# Calls to a peer known to have gone ask the scheduler whether it is back at
+# most this often (seconds), whatever their number: a retry loop aimed at a
+# dead peer costs the scheduler nothing, and one that joins again is found.
+_RELOOK = 1.0
 _REPLY_THREADS = 16  # replies unpickled at once, each behind no other (see _link)
 
 
@@ -81,6 +85,7 @@ class DaskRpcAgent(RpcAgent):
         self._lock = threading.Lock()
         self._peers: dict[str, _Where] = {}  # by name
         self._departed: dict[str, _Where] = {}  # by name: peers seen that have gone since
+        self._looked_up = -_RELOOK  # time.monotonic() of the last look-up of the peers
         self._links: dict[str, Link] = {}  # by callee name
         # whether the caller on a connection runs this process's script
         self._callers: weakref.WeakKeyDictionary[_wire.Connection, bool] = (
@@ -158,16 +163,21 @@ class DaskRpcAgent(RpcAgent):
         self._default_timeout = seconds
 
     def peer(self, to: str | int) -> WorkerInfo:
+        """The peer called or ranked ``to``. One known to have gone fails
+        at once: the scheduler is asked whether it is back at most once
+        every ``_RELOOK`` seconds."""
         found = self._lookup(to)
         if found is None and self._scheduler_gone is None:
-            self._run(self.refresh_peers())
-            found = self._lookup(to)
+            gone = self._lookup(to, self._departed) is not None
+            if not gone or time.monotonic() - self._looked_up >= _RELOOK:
+                self._run(self.refresh_peers())
+                found = self._lookup(to)
         if found is None:
             gone = self._lookup(to, self._departed)
             if gone is not None:
                 raise aiopar.BrokenWorkerError(
-                    f"rpc peer {gone.info.name!r} (id {gone.info.id}) has left or died: the "
-                    f"scheduler no longer lists it (it was at {gone.address})"
+                    f"rpc peer {gone.info.name!r} (id {gone.info.id}) has left or died "
+                    f"(it was at {gone.address})"
                 )
             listing = ", ".join(f"{info.name} (id {info.id})" for info in self.peers()) or "none"
             what = f"called {to!r}" if isinstance(to, str) else f"with id {to}"
@@ -247,6 +257,7 @@ class DaskRpcAgent(RpcAgent):
 
     async def refresh_peers(self) -> None:
         """Look the peers up on the scheduler again."""
+        self._looked_up = time.monotonic()
         identity = await self._worker.scheduler.identity(n_workers=-1)
         peers = {
             str(w["name"]): _Where(

@@ -300,6 +300,58 @@ def test_a_call_to_a_peer_that_died_says_so_and_a_misspelt_name_is_no_peer(
         helper.stderr.close()
 
 
+def test_a_peer_known_dead_fails_at_once_and_one_of_its_name_that_joins_later_is_found(
+    scheduler, leaves_nothing_behind
+):
+    # Every call to a dead peer asked the scheduler again, which lists every
+    # worker: 300 calls, 299 look-ups.
+    from aiopar_dask._agent import _RELOOK
+
+    helpers = [aiopar_worker(scheduler, "helper")]
+    try:
+        assert "serves at" in helpers[0].stderr.readline()
+        rpc.init_rpc("main", rpc_backend_options=options(init_method=scheduler))
+        try:
+            assert rpc.rpc_sync("helper", os.getpid) == helpers[0].pid
+            helpers[0].kill()
+            with pytest.raises(aiopar.BrokenWorkerError):  # its connection broke
+                rpc.rpc_sync("helper", os.getpid, timeout=30)
+            with pytest.raises(aiopar.BrokenWorkerError):  # and the scheduler says so
+                rpc.rpc_sync("helper", os.getpid, timeout=30)
+            agent = rpc.agent.current_agent()
+            look_ups = []
+            look_up = agent.refresh_peers
+
+            async def counted():
+                look_ups.append(time.monotonic())
+                await look_up()
+
+            agent.refresh_peers = counted
+            start = time.monotonic()
+            for _ in range(300):
+                with pytest.raises(RuntimeError, match=r"rpc peer 'helper' .* has left or died"):
+                    rpc.rpc_sync("helper", os.getpid)
+            spent = time.monotonic() - start
+            assert len(look_ups) <= 1 + spent / _RELOOK, (len(look_ups), spent)
+            helpers.append(aiopar_worker(scheduler, "helper"))
+            assert "serves at" in helpers[1].stderr.readline()
+
+            def found_again() -> bool:
+                try:
+                    return rpc.rpc_sync("helper", os.getpid, timeout=30) == helpers[1].pid
+                except aiopar.BrokenWorkerError:
+                    return False
+
+            assert wait_until(found_again, timeout=30)
+        finally:
+            rpc.shutdown(graceful=False)
+    finally:
+        for helper in helpers:
+            helper.kill()
+            helper.wait()
+            helper.stderr.close()
+
+
 def test_ranks_of_one_job_that_give_different_world_sizes_are_refused(
     scheduler, leaves_nothing_behind
 ):
