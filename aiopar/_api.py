@@ -1,4 +1,4 @@
-"""fork/wait and the functions that combine futures."""
+"""fork/wait, the functions that combine futures, and drain."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 import anyio
 
-from . import _loop
+from . import _loop, _waiter
 from ._blocking import check_timeout, help_first
 from ._config import current_backend
 from ._future import _WAITING, FailureWatch, Future, copy_outcome
 from ._interop import describe_type, has_future_protocol, not_a_future_message
+from .backends import _exit
 
 __all__ = [
     "TaskGroup",
     "as_completed",
     "collect_all",
+    "drain",
     "fork",
     "map",
     "task_group",
@@ -333,6 +335,64 @@ def _copy_waited(source: Any, target: Future[Any]) -> None:
     except BaseException as error:
         target._settle(None, error)
         del source, target  # the error's traceback holds this frame: no cycle (see Future)
+
+
+def drain() -> Future[None]:
+    """Run what is queued on aiopar's backends: a future that is done once
+    every live backend of this process has run what was queued when this
+    was called, and what those tasks forked.
+
+    For an application that stops where interpreter exit cannot drain for
+    it: a process ended by a signal's default action runs no exit hook, and
+    uvicorn ends its graceful shutdown so, by raising SIGTERM again. Write
+    ``await aiopar.drain()`` in the application's shutdown (a lifespan's
+    end), or ``aiopar.drain().wait()`` in a script.
+
+    - Every backend is drained as its :meth:`Backend.drain` drains it, round
+      after round, as interpreter exit does, until none had anything left, so
+      a task may fork on any backend (coroutine forks on aiopar's own loop
+      included). The backends stay open: a fork made meanwhile runs too,
+      and a steady stream of them delays the end.
+    - The draining runs on a thread of its own, never on a pool it drains
+      nor on the caller's event loop: awaiting the future suspends only
+      the awaiting coroutine. Cancelling the future (a cancelled ``await``)
+      ends the waiting, not the draining.
+    - Tasks that are running are waited for: one that waits for something
+      the caller does after the drain keeps it from ending.
+
+    Raises RuntimeError in a thread that runs aiopar tasks (a pool's
+    worker, a done-callback it runs, aiopar's own event loop): the drain
+    would wait for the very task that waits for it.
+    """
+    if _waiter.get_waiter() is not None or _loop.on_owned_loop():
+        raise RuntimeError(
+            f"aiopar.drain() was called in {threading.current_thread().name!r}, a thread "
+            f"that runs aiopar tasks: it waits until every task has run, the one running "
+            f"here included, so it would never end. Call it where the application stops "
+            f"(a lifespan's shutdown, the end of a script), outside any forked task and "
+            f"its callbacks"
+        )
+    drained: Future[None] = Future()
+    threading.Thread(target=_drain_into, args=(drained,), name="aiopar-drain", daemon=True).start()
+    return drained
+
+
+def _drain_into(drained: Future[None]) -> None:
+    """Drain every live backend (see :func:`drain`), then settle ``drained``."""
+    try:
+        # Tasks may fork on other backends and on aiopar's own loop, and
+        # coroutine forks wait for tasks: round after round until all are quiet.
+        busy = True
+        while busy:
+            _loop.finish_owned_loop()
+            busy = False
+            for backend in list(_exit._live_backends):
+                busy = backend.drain() or busy
+    except BaseException as exc:
+        drained._settle(None, exc)
+        del drained  # the exception's traceback holds this frame: no cycle (see Future)
+    else:
+        drained._settle(None, None)
 
 
 class TaskGroup:

@@ -20,6 +20,7 @@ from ._coroutine_fork import CoroutineFork, forks_of, settling_run, start_on_asy
 __all__ = [
     "close_owned_loop",
     "finish_owned_loop",
+    "on_owned_loop",
     "owned_loop",
     "owned_loop_running",
     "start_coroutine",
@@ -87,6 +88,12 @@ def owned_loop_running() -> list[str]:
     """Names of the coroutine forks still running on aiopar's own loop."""
     owned = _owned
     return [] if owned is None else [fork.name for fork in owned.running()]
+
+
+def on_owned_loop() -> bool:
+    """Whether the calling thread is the one aiopar's own loop runs on."""
+    owned = _owned
+    return owned is not None and owned.thread is threading.current_thread()
 
 
 def finish_owned_loop(*, cancel_pending: bool = False) -> None:
