@@ -7,6 +7,7 @@ against the standard library catches aiopar's errors unchanged.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 
 __all__ = ["BrokenWorkerError", "CancelledError", "InvalidStateError"]
 
@@ -24,9 +25,12 @@ class InvalidStateError(concurrent.futures.InvalidStateError, RuntimeError):
     """
 
 
-class BrokenWorkerError(RuntimeError):
+class BrokenWorkerError(concurrent.futures.process.BrokenProcessPool):
     """A worker process died while it ran the task.
 
     Only the tasks that process was running fail; the pool replaces the worker
-    and later forks run normally.
+    and later forks run normally. It is a
+    :class:`concurrent.futures.process.BrokenProcessPool`, and so a
+    :class:`~concurrent.futures.BrokenExecutor` and a :class:`RuntimeError`:
+    ``except BrokenProcessPool`` written for ``ProcessPoolExecutor`` catches it.
     """

@@ -3,17 +3,26 @@ way to a worker, already pickled) and a worker process with its socket."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import io
 import itertools
 import math
+import multiprocessing
+import multiprocessing.reduction
 import os
+import pickle
 import selectors
 import signal
 import socket
 import subprocess
+import tempfile
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from multiprocessing import context, resource_sharer
+from typing import IO, Any
+
+import cloudpickle
 
 from .._fresh import fresh_python
 from .._future import Future
@@ -22,10 +31,13 @@ from . import _process_wire as wire
 from ._base import Task
 from ._process_pickle import Packed
 
-__all__ = ["Job", "Worker", "describe_exit"]
+__all__ = ["INITIALIZER_FAILED", "Job", "Worker", "check_setup", "describe_exit"]
 
 #: what a worker runs the forks made by its tasks on: never processes of its own
 NESTED_BACKEND = "thread"
+
+#: the exit code of a worker whose initializer raised (see _process_worker)
+INITIALIZER_FAILED = 3
 
 _job_ids = itertools.count(1)
 
@@ -87,6 +99,12 @@ class Worker:
     changes the pool saw); ``segments`` is where the segments it reports
     released go back to; ``on_unmapped(worker, seg_id)`` is called, from any
     thread, once this process no longer maps a segment the worker sent.
+
+    The worker shares this process's ``multiprocessing`` authkey, as
+    multiprocessing's own children do, so the proxies of a
+    ``multiprocessing.Manager()`` work in its tasks. It calls
+    ``initializer(*initargs)``, if given, before it says it is ready; if
+    that raises, it exits with :data:`INITIALIZER_FAILED`.
     """
 
     def __init__(
@@ -96,18 +114,25 @@ class Worker:
         path_version: int,
         segments: SegmentPool,
         on_unmapped: Callable[[Worker, int], None],
+        *,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
     ) -> None:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            command = fresh_python(
-                "aiopar.backends._process_worker:main",
-                child_end.fileno(),
-                NESTED_BACKEND,
-                path=path,
-            )
-            self.process = subprocess.Popen(
-                command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL
-            )
+            with _setup_file(initializer, initargs) as setup:
+                command = fresh_python(
+                    "aiopar.backends._process_worker:main",
+                    child_end.fileno(),
+                    NESTED_BACKEND,
+                    setup.fileno(),
+                    path=path,
+                )
+                self.process = subprocess.Popen(
+                    command,
+                    pass_fds=[child_end.fileno(), setup.fileno()],
+                    stdin=subprocess.DEVNULL,
+                )
         except BaseException:
             parent_end.close()
             raise
@@ -142,6 +167,73 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<worker {self.index} pid {self.pid}>"
+
+
+def check_setup(initializer: Callable[..., object] | None, initargs: tuple[Any, ...]) -> None:
+    """Raise TypeError unless ``initializer(*initargs)`` can reach a worker."""
+    try:
+        _pack_setup(initializer, initargs, share=False)
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send the initializer {initializer!r:.60} and its initargs to a worker "
+            f"process ({type(exc).__name__}: {exc}): they must pickle (cloudpickle), or be "
+            f"multiprocessing's locks, queues and proxies of a 'spawn' or 'forkserver' context"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _setup_file(
+    initializer: Callable[..., object] | None, initargs: tuple[Any, ...]
+) -> Iterator[IO[bytes]]:
+    """A file that a new worker reads as it starts: this process's authkey,
+    then its initializer and arguments (pickled apart, so the worker has the
+    authkey before it unpickles them)."""
+    call = None if initializer is None else _pack_setup(initializer, initargs, share=True)
+    with tempfile.TemporaryFile() as setup:  # unnamed: nothing is left behind
+        pickle.dump((bytes(multiprocessing.current_process().authkey), call), setup)
+        setup.seek(0)
+        yield setup
+
+
+def _pack_setup(initializer: object, initargs: tuple[Any, ...], *, share: bool) -> bytes:
+    """The pickle of ``(initializer, initargs)``; unless ``share``, the file
+    descriptors in it are not offered to any process (a trial)."""
+    buffer = io.BytesIO()
+    context.set_spawning_popen(_SpawningWorker(share))
+    try:
+        _SetupPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((initializer, tuple(initargs)))
+    finally:
+        context.set_spawning_popen(None)
+    return buffer.getvalue()
+
+
+class _SetupPickler(cloudpickle.Pickler):
+    """cloudpickle, with the reducers multiprocessing registers for its own
+    pickler (of pipes, queues, locks), which plain pickling lacks."""
+
+    @property
+    def dispatch_table(self) -> collections.ChainMap[Any, Any]:
+        # Read as the pickler is made: reducers registered since count too.
+        forking = multiprocessing.reduction.ForkingPickler(io.BytesIO()).dispatch_table
+        return collections.ChainMap(cloudpickle.Pickler.dispatch_table, forking)
+
+
+class _SpawningWorker:
+    """What multiprocessing's objects ask of a process being started when
+    they are pickled for it (the way ``initargs`` reach ProcessPoolExecutor's
+    workers): a queue's or a pipe's file descriptors travel through
+    multiprocessing's resource sharer, which the worker, sharing this
+    process's authkey, may fetch them from (unless ``share`` is false). Its
+    locks and semaphores travel by name, as they do to a "spawn" child."""
+
+    def __init__(self, share: bool) -> None:
+        self.share = share
+
+    def duplicate_for_child(self, fd: int) -> int:
+        return fd
+
+    def DupFd(self, fd: int) -> Any:
+        return resource_sharer.DupFd(fd) if self.share else fd
 
 
 def _pidfd_open(pid: int) -> int | None:

@@ -3,7 +3,10 @@
 A worker runs one task at a time, in the order they arrive, and answers each
 with exactly one RESULT or ERROR frame carrying its start and end times
 (on :func:`aiopar._trace.clock`, which every process on the machine shares).
-A PATH frame replaces its ``sys.path`` with the parent's. It exits when the
+A PATH frame replaces its ``sys.path`` with the parent's. Before it says it
+is ready, it takes the parent's multiprocessing authkey and calls the pool's
+initializer, if any: one that raises is logged, as ProcessPoolExecutor logs
+it, and the worker exits with ``INITIALIZER_FAILED``. It exits when the
 parent closes its end of the socket, and at once, even in the middle of a
 task, when the parent process dies. Forks made by a task run in the worker,
 on the backend the parent names at start-up; for a task the parent's
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -29,21 +34,23 @@ from .._shm import SegmentPool
 from .._trace import capture_forks, clock
 from . import _process_wire as wire
 from . import create_backend
+from ._process_handle import INITIALIZER_FAILED
 from ._process_pickle import ErrorInfo, Packed, error_info, load_call, pack, pack_error
 from .process import redirect_forks
 
 __all__ = ["main"]
 
 
-def main(fd: str, nested_backend: str) -> None:
+def main(fd: str, nested_backend: str, setup: str) -> None:
     """Serve the parent on the socket ``fd``, running the forks its tasks
-    make on the backend called ``nested_backend`` (started by
-    :func:`aiopar._fresh.fresh_python`, which also ends this process with
-    its parent)."""
+    make on the backend called ``nested_backend``, once set up as the file
+    ``setup`` says (started by :func:`aiopar._fresh.fresh_python`, which
+    also ends this process with its parent)."""
     # Ctrl-C in a terminal reaches the whole process group: the parent
     # decides what happens to the tasks, not each worker on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     redirect_forks(create_backend(nested_backend))
+    _set_up(int(setup))
     pool = SegmentPool()
     released: deque[int] = deque()  # parent segments this process no longer maps
     channel = wire.Channel(socket.socket(fileno=int(fd)), pool.release, released.append)
@@ -74,6 +81,25 @@ def main(fd: str, nested_backend: str) -> None:
         pass  # the parent is gone or shut the pool down
     finally:
         pool.close()
+
+
+def _set_up(fd: int) -> None:
+    """Take the parent's authkey, then call the pool's initializer."""
+    with open(fd, "rb") as file:
+        authkey, call = pickle.load(file)
+    multiprocessing.current_process().authkey = authkey
+    if call is None:
+        return
+    try:
+        initializer, initargs = pickle.loads(call)
+        initializer(*initargs)
+    except BaseException:
+        # Where ProcessPoolExecutor's workers log it, so an initializer that
+        # sends that logger's records to its parent sends this one too.
+        logging.getLogger("concurrent.futures").critical(
+            "Exception in initializer of an aiopar process worker:", exc_info=True
+        )
+        sys.exit(INITIALIZER_FAILED)
 
 
 def _drain(released: deque[int]) -> list[int]:

@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 from .. import _budget, _trace
 from .._future import Future
 from ._base import Backend, Task, check_count
-from ._process_handle import Job
+from ._process_handle import Job, check_setup
 from ._process_pickle import (
     Packed,
     RemoteError,
@@ -127,6 +127,18 @@ def redirect_forks(backend: Backend) -> None:
     _redirected_to = backend
 
 
+def _check_start_method(mp_context: Any) -> None:
+    """Refuse anything but None or a multiprocessing context."""
+    if mp_context is None:
+        return
+    method = getattr(mp_context, "get_start_method", lambda: None)()
+    if method not in ("spawn", "forkserver", "fork"):
+        raise ValueError(
+            f"mp_context must be None or a multiprocessing context "
+            f"(multiprocessing.get_context('spawn')), got {mp_context!r:.60}"
+        )
+
+
 class ProcessBackend(Backend):
     """Runs forked tasks in a pool of worker processes.
 
@@ -137,6 +149,16 @@ class ProcessBackend(Backend):
     that worker. By default it adapts: about a millisecond of work at the
     tasks' recent pace (between 1 and 16 tasks). Only small calls (under
     16 KiB pickled, no shared-memory arrays) are prefetched.
+
+    ``initializer(*initargs)`` runs in each worker before its first task, as
+    in :class:`concurrent.futures.ProcessPoolExecutor`; ``initargs`` may hold
+    what multiprocessing lets a starting child have, the locks, queues and
+    ``Manager()`` proxies of a "spawn" or "forkserver" context (workers
+    share this process's authkey). A worker whose initializer raises logs
+    the error on the ``concurrent.futures`` logger and exits.
+    ``mp_context`` is accepted for ProcessPoolExecutor's sake: whatever its
+    start method, workers are fresh interpreters, as "spawn" starts them, so
+    under "fork" too they do not inherit this process's memory.
 
     ``grace`` (seconds, default 5) bounds how long stopping waits for tasks
     that do not return. ``shutdown(cancel_pending=True)`` cancels the queued
@@ -161,6 +183,9 @@ class ProcessBackend(Backend):
         *,
         prefetch: int | None = None,
         grace: float | None = GRACE,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+        mp_context: Any = None,
     ) -> None:
         check_count(max_workers, "max_workers", none="the default")
         check_count(prefetch, "prefetch", minimum=0, none="adaptive")
@@ -170,9 +195,17 @@ class ProcessBackend(Backend):
             raise ValueError(
                 f"grace must be None (wait for ever) or a number of seconds >= 0, got {grace!r}"
             )
+        if initializer is not None:
+            if not callable(initializer):
+                raise TypeError(
+                    f"initializer must be a callable or None, got {type(initializer).__name__}"
+                )
+            check_setup(initializer, initargs)
+        _check_start_method(mp_context)
         super().__init__()
         self._max_workers = max_workers or _budget.cores()
-        self._pool = Pool(self._max_workers, prefetch, grace, repr(self))
+        setup = {} if initializer is None else {"initializer": initializer, "initargs": initargs}
+        self._pool = Pool(self._max_workers, prefetch, grace, repr(self), **setup)
 
     @property
     def max_workers(self) -> int:
