@@ -168,7 +168,7 @@ def _wait_unless_one_fails(pending: list[Future[Any]], watch: FailureWatch) -> N
     # thread blocks about once, not once per future.
     for fut in reversed(pending):
         if fut._state in _WAITING:
-            help_first(fut, None)  # a pool's worker runs its queued forks first
+            help_first(fut, None, None)  # a pool's worker runs its queued forks first
             if fut._state in _WAITING and not watch.failed:
                 fut._sleep(None, fut._task, watch)
         if watch.failed:

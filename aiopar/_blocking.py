@@ -5,9 +5,7 @@ The work it runs first is the awaited task itself if it has not started
 (so ``wait(fork(f))`` costs about a function call, and a task that waits
 never starves its pool), then, in a work-first pool's worker, the tasks the
 thread forked that are still queued. Timeouts take two rules: aiopar's own
-for ``wait()``, which bounds only the blocking (the awaited task still runs
-here first), and concurrent.futures' for ``result()`` and ``exception()``,
-which bounds the whole call (the awaited task is left to its pool).
+for ``wait()`` and concurrent.futures' for ``result()`` and ``exception()``.
 """
 
 from __future__ import annotations
@@ -35,11 +33,13 @@ _sniffio_thread = sniffio.thread_local
 _FRAMES_PER_STEAL = 12
 
 
-def help_first(fut: Any, task: Any) -> None:
+def help_first(fut: Any, task: Any, timeout: float | None) -> None:
     """Before this thread blocks on ``fut``, run the work it can: ``task``,
-    the one behind ``fut`` (None if the caller must not run it), if it has
-    not started; then, in a work-first pool's worker, the tasks the thread
-    forked that are still queued, newest first.
+    the one behind ``fut``, if it has not started and no timeout is given
+    (a timeout bounds the whole call, so the task is left to its pool);
+    then, in a work-first pool's worker, the tasks the thread forked that
+    are still queued, newest first, with or without a timeout (without
+    that, nested forks could starve the pool).
 
     Warns first if an event loop runs in this thread, which the wait stalls.
     Work it runs nests in this thread's stack: a deep stack runs nothing
@@ -56,7 +56,7 @@ def help_first(fut: Any, task: Any) -> None:
     run_own_forks = None if owner is None else getattr(owner, "run_own_forks", None)
     state["steals"] = steals + 1
     try:
-        if task is not None and task.stealable:
+        if timeout is None and task is not None and task.stealable:
             task.run()  # does nothing unless it wins the claim
         if run_own_forks is not None:
             run_own_forks(fut)

@@ -303,20 +303,22 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until the future is done and return its value or raise its exception.
 
-        If the future's task has not started (on a backend that runs tasks
-        in this process), the calling thread runs it first, with or without
-        a timeout: waiting never starves a pool, and ``wait(fork(f))`` costs
-        about a call of ``f``. So ``timeout`` bounds the time spent blocked
-        on a task that runs elsewhere, not a task this thread runs; when it
-        passes, TimeoutError is raised. For a bound on the whole call, use
-        :meth:`result`, whose timeout is :mod:`concurrent.futures`' own.
+        Without a timeout, if the future's task has not started (on a
+        backend that runs tasks in this process), the calling thread runs
+        it itself: waiting never starves a pool, and ``wait(fork(f))``
+        costs about a call of ``f``. A timeout bounds the whole call: the
+        task is left to its pool, and TimeoutError is raised once
+        ``timeout`` seconds pass (``wait(timeout=0)`` only looks). One
+        exception keeps nested forks from starving a pool: a pool's worker
+        first runs the tasks it forked that are still queued, with or
+        without a timeout, newest first, the awaited one among them.
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
         if (state := self._state) is PENDING or state is RUNNING:
             # _block() inline: wait(fork(f)) reaches f a call sooner (help_first runs it).
             task = self._task
-            help_first(self, task)
+            help_first(self, task, timeout)
             if self._state in _WAITING and not self._sleep(timeout, task):
                 raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         if self._state is FINISHED and self._exception is None:
@@ -329,20 +331,14 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     def result(self, timeout: float | None = None) -> T:
         """:meth:`wait` as :mod:`concurrent.futures` spells it, with its timeouts.
 
-        ``None`` waits for ever (and runs a task that has not started, as
-        :meth:`wait` does). A timeout bounds the whole call: the task is
-        left to its backend (a pool's worker still runs the tasks it forked
-        first, as before any wait), and one of 0 or less does not wait at
-        all, so a future that is not done raises TimeoutError at once
+        ``None`` waits for ever; a timeout of 0 or less does not wait at all,
+        so a future that is not done raises TimeoutError at once
         (``Executor.map`` passes negative timeouts once its deadline passes).
         """
-        if timeout is None:
-            if self._state is FINISHED and self._exception is None:
-                return self._result  # type: ignore[no-any-return]  # the common case, inline
-        elif not self._block(cf_timeout(timeout)):
-            raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
+        if timeout is None and self._state is FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]  # the common case, inline
         try:
-            return self.wait()
+            return self.wait(cf_timeout(timeout))
         finally:
             del self  # no cycle: see the module's docstring
 
@@ -370,14 +366,12 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """Wait until done or ``timeout`` passes; True if done.
 
         The calling thread first runs the work it can (see
-        :func:`aiopar._blocking.help_first`): the future's own task only
-        without a timeout, which then bounds the whole call, as
-        :mod:`concurrent.futures`' timeouts do. Then it blocks.
+        :func:`aiopar._blocking.help_first`), then blocks.
         """
         if self._state not in _WAITING:
             return True
         task = self._task
-        help_first(self, task if timeout is None else None)
+        help_first(self, task, timeout)
         if self._state not in _WAITING:
             del self  # the task may have failed below this frame: no cycle (module docstring)
             return True
