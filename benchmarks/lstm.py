@@ -2,6 +2,7 @@
 
     python benchmarks/lstm.py            # T, B, C = 50, 50, 1024, 4 models, 5 rounds
     python benchmarks/lstm.py --quick    # small sizes, a smoke test
+    python benchmarks/lstm.py --engines  # only the engines and TorchScript's forked ensemble
 
 It measures the way `aiopar demo` does, with the same helper
 (``aiopar/_demo.py``): every row runs once per round, in turn, after a
@@ -17,7 +18,9 @@ TorchScript's variants (the tutorial's modules, scripted, run under
 the "thread" backend and on "openmp" when it is available. aiopar's default
 configuration runs once per LSTM engine that loads here (numpy, and oneDNN
 with ``aiopar[onednn]``), right after TorchScript's rows and against its
-forked ensemble; the other aiopar rows run on the engine ``auto`` picks.
+forked ensemble, and oneDNN's against numpy's too; the other aiopar rows
+run on the engine ``auto`` picks. Odd rounds run the rows last to first, so
+no row always follows the same one.
 Every row shows CPU time beside wall time: on a busy machine wall time
 swings with what else runs, CPU time much less.
 """
@@ -25,6 +28,7 @@ swings with what else runs, CPU time much less.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -182,6 +186,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5)")
     parser.add_argument("--no-torch", action="store_true", help="skip TorchScript")
+    parser.add_argument(
+        "--engines",
+        action="store_true",
+        help="only aiopar's default on each LSTM engine and TorchScript's forked ensemble",
+    )
     args = parser.parse_args()
     steps, batch, size, n_models = (10, 8, 64, 2) if args.quick else (50, 50, 1024, 4)
     rounds = args.rounds or (2 if args.quick else 5)
@@ -191,6 +200,8 @@ def main() -> None:
     x = np.random.default_rng(0).random((steps, batch, size), dtype=np.float32)
     ens = LSTMEnsemble(n_models, size, size, seed=0)
     torch_variants = [] if args.no_torch else torch_rows(n_models, size, x, ens)
+    if args.engines and torch_variants:  # the anchor only: its forked ensemble
+        torch_variants = [dataclasses.replace(torch_variants[-1], anchor=None)]
     # torch loads an OpenMP runtime, whose threads spin longer: measure the pause after it
     spin = QUICK_SPIN_PAUSE if args.quick else spin_pause()
 
@@ -201,7 +212,7 @@ def main() -> None:
     rows = [*torch_variants, *engines, sequential]
     backends = [b for b in ("thread", "openmp") if b in aiopar.available_backends()]
     forked = list(VARIANTS)[1:]
-    for backend in backends:
+    for backend in [] if args.engines else backends:
         for label in forked:
             run = on_engine("auto", ensemble_run(ens, x, label, backend=backend))
             rows.append(Row(f"aiopar {label} on {backend}", run, anchor=sequential))
@@ -211,10 +222,11 @@ def main() -> None:
         on_engine("auto", ensemble_run(ens, x, "sequential")),
         blas_threads=1,
     )
-    rows.append(single)
-    for label in forked:
-        run = on_engine("auto", ensemble_run(ens, x, label))
-        rows.append(Row(f"aiopar {label}, 1 BLAS thread", run, anchor=single, blas_threads=1))
+    if not args.engines:
+        rows.append(single)
+        for label in forked:
+            run = on_engine("auto", ensemble_run(ens, x, label))
+            rows.append(Row(f"aiopar {label}, 1 BLAS thread", run, anchor=single, blas_threads=1))
 
     # Warm up (scripting, allocator, packed weights) and check every variant agrees.
     outputs = [row.call()[0] for row in rows]
@@ -227,13 +239,13 @@ def main() -> None:
     for r in range(rounds):
         peaks.append(gemm_peak(peak_n))
         cores.append(effective_cores())
-        for _ in timed_round(rows, spin):
+        for _ in timed_round(rows, spin, reverse=r % 2 == 1):
             pass
         console.print(f"round {r + 1}/{rounds} done", style="dim")
 
     peak = max(peaks)
     flops = ensemble_flops(n_models, steps, batch, size, size)
-    torch_sequential = torch_variants[0] if torch_variants else None
+    torch_sequential = torch_variants[0] if torch_variants and not args.engines else None
 
     table = Table(
         title=(
@@ -276,26 +288,28 @@ def main() -> None:
             cells.append(str(Spread.paired(torch_sequential.times, row.times)))
         table.add_row(*cells)
     console.print(table)
-    for row in engines:
-        if row.anchor is not None:
-            console.print(
-                f"{row.name} vs {row.anchor.name}: {row.speedup()} wall "
-                f"({row.speedup().range}), {Spread.paired(row.anchor.cpu_times, row.cpu_times)} "
-                f"CPU time"
-            )
-    aiopar_forked = {r.name: r.speedup() for r in rows if r.anchor is sequential}
-    console.print(verdict(aiopar_forked, anchor="aiopar sequential"))
-    if torch_variants:
-        torch_forked = {r.name: r.speedup() for r in torch_variants[1:]}
-        console.print(verdict(torch_forked, anchor="TorchScript sequential"))
-    interop = next(r for r in rows if r.anchor is single and "models" in r.name)
-    blas = Spread.paired(single.times, sequential.times)
-    speedups = [spread for spread in (r.speedup() for r in rows) if spread is not None]
-    of_peak = [flops / min(r.times) / peak for r in rows]
-    busy = busy_signs(speedups, available_cores(), peaks, of_peak)
-    console.print(
-        explain(interop.speedup(), blas, available_cores(), tasks=2 * n_models, busy=busy)
-    )
+    pairs = [(row, row.anchor) for row in engines if row.anchor is not None]
+    pairs += [(row, engines[0]) for row in engines[1:]]  # oneDNN's against numpy's
+    for row, anchor in pairs:
+        wall = Spread.paired(anchor.times, row.times)
+        console.print(
+            f"{row.name} vs {anchor.name}: {wall} wall ({wall.range}), "
+            f"{Spread.paired(anchor.cpu_times, row.cpu_times)} CPU time"
+        )
+    if not args.engines:
+        aiopar_forked = {r.name: r.speedup() for r in rows if r.anchor is sequential}
+        console.print(verdict(aiopar_forked, anchor="aiopar sequential"))
+        if torch_variants:
+            torch_forked = {r.name: r.speedup() for r in torch_variants[1:]}
+            console.print(verdict(torch_forked, anchor="TorchScript sequential"))
+        interop = next(r for r in rows if r.anchor is single and "models" in r.name)
+        blas = Spread.paired(single.times, sequential.times)
+        speedups = [spread for spread in (r.speedup() for r in rows) if spread is not None]
+        of_peak = [flops / min(r.times) / peak for r in rows]
+        busy = busy_signs(speedups, available_cores(), peaks, of_peak)
+        console.print(
+            explain(interop.speedup(), blas, available_cores(), tasks=2 * n_models, busy=busy)
+        )
 
     blas_libraries = ", ".join(
         f"{i['internal_api']} {i['version']} ({i['num_threads']} threads)"
@@ -323,7 +337,7 @@ def main() -> None:
             f"{torch.get_num_interop_threads()} interop threads"
         )
     missing = [b for b in ("openmp",) if b not in backends]
-    if missing:
+    if missing and not args.engines:
         console.print(f"backends not available, rows skipped: {', '.join(missing)}")
 
 
