@@ -118,6 +118,13 @@ def test_onednn_gets_its_packed_kernel_on_avx512() -> None:
     assert _onednn.load().matmul(52, 1024).implementation.startswith("brg:")
 
 
+@pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))
+def test_onednn_is_the_default_where_it_has_its_packed_kernel(monkeypatch) -> None:
+    monkeypatch.delenv(_engine.ENV_VAR, raising=False)
+    assert lstm_engine() == "onednn"
+    assert "LSTM engine: onednn (oneDNN 3" in aiopar.parallel_info()
+
+
 # -- the choice -----------------------------------------------------------------
 
 
