@@ -108,6 +108,8 @@ class DaskRpcAgent(RpcAgent):
         self._segments = SegmentPool() if HAVE_MEMFD else None
         self._stopped: BaseException | None = None
         self._scheduler_gone: str | None = None  # why the peers cannot be looked up
+        self._scheduler_lost = asyncio.Event()  # set with _scheduler_gone, on the worker's loop
+        self._staying: list[int] | None = None  # the ranks shutdown's barrier last waited for
         self.cluster: SpecCluster | None = None  # the cluster or scheduler init_rpc started
         self.round: str | None = None  # the rendezvous this peer's rank joined (see _rounds)
         self.on_close: Callable[[], None] | None = None
@@ -244,8 +246,10 @@ class DaskRpcAgent(RpcAgent):
     # -- the caller's side -------------------------------------------------------------
 
     def lose_scheduler(self, reason: str) -> None:
-        """The scheduler is gone: the peers known now are all this peer will know."""
+        """The scheduler is gone: the peers known now are all this peer will
+        know. On the worker's loop."""
         self._scheduler_gone = reason
+        self._scheduler_lost.set()
 
     def _lookup(self, to: str | int, among: dict[str, _Where] | None = None) -> _Where | None:
         """The peer called or ranked ``to`` among the peers (or ``among``)."""
@@ -443,12 +447,56 @@ class DaskRpcAgent(RpcAgent):
                 break
             await asyncio.sleep(_rounds.POLL)
         if self._scheduler_gone is None and self._stopped is None and self.round is not None:
+            # Whatever the barrier waits on, the scheduler's going ends it: a
+            # rank that crashed took it along (rank 0 hosts it), or left
+            # without a word; there is no one left to meet.
             try:
-                await self._meet_the_others(deadline)
-                if self.cluster is not None:
-                    await self._outlast_the_others(deadline)
+                await self._unless_scheduler_lost(self._meet_and_outlast(deadline))
             except OSError as exc:  # the scheduler went meanwhile
                 self.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
+            if self._scheduler_gone is not None:
+                self._warn_left_without()
+
+    async def _unless_scheduler_lost(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Await ``coro``; once the scheduler is lost, cancel it and return."""
+        task = asyncio.ensure_future(coro)
+        lost = asyncio.ensure_future(self._scheduler_lost.wait())
+        try:
+            await asyncio.wait([task, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
+        if not task.cancelled():
+            task.result()
+
+    async def _meet_and_outlast(self, deadline: float | None) -> None:
+        await self._meet_the_others(deadline)
+        if self.cluster is not None:
+            await self._outlast_the_others(deadline)
+
+    def _warn_left_without(self) -> None:
+        """Say which ranks this peer's shutdown did not wait for, as the scheduler went."""
+        ranks = [r for r in self._staying or () if r != self._id]
+        named = ", ".join(
+            f"{r} ({where.info.name})"
+            if (where := self._lookup(r) or self._lookup(r, self._departed))
+            else str(r)
+            for r in ranks
+        )
+        if not ranks:  # (it had not heard from the scheduler who stays)
+            waited = "without meeting the other ranks"
+        else:
+            whom = f"rank {named}" if len(ranks) == 1 else f"ranks {named}"
+            waited = f"without waiting for {whom}, which had not called shutdown"
+        _logger.warning(
+            "rpc peer %r: shutdown left %s: %s (a rank that crashed takes the scheduler it "
+            "started along)",
+            self.worker_info.name,
+            waited,
+            self._scheduler_gone,
+        )
 
     async def _meet_the_others(self, deadline: float | None) -> None:
         """Wait until every member of this peer's round that joined has said it leaves."""
@@ -456,7 +504,8 @@ class DaskRpcAgent(RpcAgent):
         scheduler = self._worker.scheduler
         await _rounds.leaving(scheduler, self.round, self._token)
         async for _ in _rounds.polls(deadline):
-            if self._scheduler_gone is not None or not await _rounds.staying(scheduler, self.round):
+            self._staying = await _rounds.staying(scheduler, self.round)
+            if self._scheduler_gone is not None or not self._staying:
                 return
 
     async def _outlast_the_others(self, deadline: float | None) -> None:

@@ -137,6 +137,12 @@ class Peer(ClusterWorker):
         self.rpc_agent.lose_scheduler(gone)
 
     async def close(self, *args: Any, **kwargs: Any) -> Any:
+        if self.joined and kwargs.get("reason") == "scheduler-close":
+            # A closing scheduler closes its workers; a peer whose process
+            # called init_rpc outlives it (handle_scheduler sees it go), so
+            # that a rank whose rank 0 crashed, taking the scheduler along,
+            # still calls its peers and shuts down as it means to.
+            return None
         self.rpc_agent.stop(RuntimeError(f"rpc peer {self.name!r} is shutting down"))
         return await super().close(*args, **kwargs)
 

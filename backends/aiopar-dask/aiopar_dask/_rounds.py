@@ -83,12 +83,16 @@ async def present(scheduler: Any, current: str) -> set[str]:
     return set(found["members"].values()) & await _on(scheduler, joined=True)
 
 
-async def staying(scheduler: Any, current: str) -> set[str]:
-    """The members of round ``current`` on the scheduler whose processes
-    called ``init_rpc`` and have not said they leave."""
+async def staying(scheduler: Any, current: str) -> list[int]:
+    """The ranks of the members of round ``current`` on the scheduler whose
+    processes called ``init_rpc`` and have not said they leave."""
     found = await _round(scheduler, current)
     joined = await _on(scheduler, joined=True)
-    return (set(found["members"].values()) & joined) - set(found["leaving"])
+    return sorted(
+        int(rank)
+        for rank, token in found["members"].items()
+        if token in joined and token not in found["leaving"]
+    )
 
 
 async def _round(scheduler: Any, current: str) -> dict[str, Any]:

@@ -265,3 +265,69 @@ def test_a_rank_of_another_machine_is_told_to_bring_certificates(
         host.kill()
         host.wait()
     assert host.returncode == 0, err
+
+
+CRASHING = """
+    import os, signal, sys, threading, time
+    from aiopar import rpc
+
+    LOCK, READY = threading.Lock(), threading.Event()
+    ready = 0
+
+
+    def here():  # runs on rank 0, for each other rank past init_rpc
+        global ready
+        with LOCK:
+            ready += 1
+            if ready == 2:
+                READY.set()
+
+
+    rank, how = int(sys.argv[1]), sys.argv[2]
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+    if rank != 0:
+        rpc.rpc_sync("worker0", here)
+    else:  # hosts the rendezvous's scheduler, and crashes once the others are in
+        assert READY.wait(60)
+        if how == "raise":
+            raise RuntimeError("a bug in rank 0's training loop")
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    rpc.shutdown()
+    print("left after", time.monotonic() - start, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+def test_shutdown_of_the_other_ranks_survives_a_crashed_rank_0(how, tmp_path):
+    # An exception in rank 0 failed the others' shutdown with "ConnectionPool
+    # is closed" (rank 0's scheduler closed their peers as it went).
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(CRASHING))
+    env = rank_environment(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), how],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert ranks[0].returncode != 0
+    for rank, (out, err) in zip(ranks[1:], outputs[1:], strict=True):
+        assert rank.returncode == 0, err
+        assert out.startswith("left after"), err
+        assert float(out.split()[-1]) < 10, out
+        assert "Traceback" not in err and "Could not close" not in err, err
+        if "shutdown left without waiting" in err:  # (else it had not heard who stays)
+            assert "0 (worker0)" in err, err
