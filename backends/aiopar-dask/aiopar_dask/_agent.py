@@ -245,6 +245,11 @@ class DaskRpcAgent(RpcAgent):
 
     # -- the caller's side -------------------------------------------------------------
 
+    @property
+    def scheduler_gone(self) -> str | None:
+        """Why the scheduler is lost, or None while it serves."""
+        return self._scheduler_gone
+
     def lose_scheduler(self, reason: str) -> None:
         """The scheduler is gone: the peers known now are all this peer will
         know. On the worker's loop."""
@@ -451,14 +456,15 @@ class DaskRpcAgent(RpcAgent):
             # rank that crashed took it along (rank 0 hosts it), or left
             # without a word; there is no one left to meet.
             try:
-                await self._unless_scheduler_lost(self._meet_and_outlast(deadline))
+                await self.unless_scheduler_lost(self._meet_and_outlast(deadline))
             except OSError as exc:  # the scheduler went meanwhile
                 self.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
             if self._scheduler_gone is not None:
                 self._warn_left_without()
 
-    async def _unless_scheduler_lost(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Await ``coro``; once the scheduler is lost, cancel it and return."""
+    async def unless_scheduler_lost(self, coro: Coroutine[Any, Any, None]) -> bool:
+        """Await ``coro`` and return True; once the scheduler is lost (even
+        while dask tries to reconnect to it), cancel it and return False."""
         task = asyncio.ensure_future(coro)
         lost = asyncio.ensure_future(self._scheduler_lost.wait())
         try:
@@ -468,8 +474,10 @@ class DaskRpcAgent(RpcAgent):
             if not task.done():
                 task.cancel()
                 await asyncio.wait([task])
-        if not task.cancelled():
-            task.result()
+        if task.cancelled():
+            return False
+        task.result()
+        return True
 
     async def _meet_and_outlast(self, deadline: float | None) -> None:
         await self._meet_the_others(deadline)

@@ -194,7 +194,15 @@ async def _start(
     agent.cluster = parts.cluster
     if world_size is not None and joining:
         assert agent.round is not None
-        await _rounds.wait_for_ranks(peer.scheduler, agent.round, world_size, options.rpc_timeout)
+        waiting = _rounds.wait_for_ranks(
+            peer.scheduler, agent.round, world_size, options.rpc_timeout
+        )
+        if not await agent.unless_scheduler_lost(waiting):
+            raise ConnectionError(
+                f"init_rpc: the scheduler at {address} went away while this rank waited for "
+                f"ranks 0 to {world_size - 1} to join ({agent.scheduler_gone}); the rank that "
+                f"started it (rank 0, at a tcp:// rendezvous) may have crashed"
+            )
         await agent.refresh_peers()
     return agent
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from aiopar_dask import _credentials
@@ -331,3 +332,48 @@ def test_shutdown_of_the_other_ranks_survives_a_crashed_rank_0(how, tmp_path):
         assert "Traceback" not in err and "Could not close" not in err, err
         if "shutdown left without waiting" in err:  # (else it had not heard who stays)
             assert "0 (worker0)" in err, err
+
+
+def test_a_rank_waiting_in_init_rpc_fails_at_once_when_rank_0_dies(tmp_path):
+    # It waited for dask's 30 s connect timeout, then raised dask's OSError.
+    import distributed
+    from dask_helpers import wait_until
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent("""
+            import sys
+            from aiopar import rpc
+
+            rank = int(sys.argv[1])
+            options = rpc.RpcBackendOptions(security=False, rpc_timeout=120)
+            try:  # rank 2 never comes
+                rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+            except ConnectionError as exc:
+                print(type(exc).__name__, exc, flush=True)
+        """)
+    )
+    port = free_port()
+    env = rank_environment(port)
+    ranks = [start_rank(str(script), rank, env) for rank in (0, 1)]
+    try:
+        with distributed.Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+
+            def both_wait() -> bool:
+                rounds = client.get_metadata(["aiopar-rpc-rounds"], default=None) or {}
+                return any(set(r["members"]) == {"0", "1"} for r in rounds.values())
+
+            assert wait_until(both_wait, timeout=60)
+        ranks[0].kill()
+        killed = time.monotonic()
+        out, err = ranks[1].communicate(timeout=60)
+        spent = time.monotonic() - killed
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+            rank.stdout.close()
+            rank.stderr.close()
+    assert out.startswith("ConnectionError init_rpc: the scheduler at"), err
+    assert "rank 0" in out and "crashed" in out, out
+    assert spent < 15, spent
