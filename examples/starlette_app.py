@@ -9,9 +9,10 @@ Three endpoints, one per kind of work an async app hands off the event loop:
   the GIL, so threads would not run it in parallel).
 
 ``/health`` answers without offloading. The lifespan's shutdown awaits
-``aiopar.drain()``: uvicorn ends a graceful shutdown by raising the signal
-again with its default action, so no exit hook of this process runs after
-it, and work still queued then would be lost without the drain.
+``aiopar.drain()``: uvicorn ends a graceful shutdown on SIGTERM by raising
+the signal again with its default action, so no exit hook of this process
+runs after it, and forks still queued then (fire-and-forget ones an app
+adds) would be lost without the drain (docs/async.md, "Stopping a server").
 
     python examples/starlette_app.py [--port 8000]
     uvicorn examples.starlette_app:app --timeout-graceful-shutdown 5
@@ -74,7 +75,7 @@ async def health(request: Request) -> PlainTextResponse:
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     yield
-    # Every backend in use runs what was queued before the process goes.
+    # The thread pools run what is still queued before the process goes.
     await aiopar.drain()
 
 
