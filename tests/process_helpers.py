@@ -243,3 +243,34 @@ def die_on(x, doomed):
     if x == doomed:
         os.kill(os.getpid(), signal.SIGKILL)
     return x
+
+
+def meet(directory: str, count: int, timeout: float = 20.0):
+    """Say this task started (a file named after the worker's pid and the
+    time), then wait until ``count`` tasks have; return (the pid, whether
+    they all did within ``timeout``)."""
+    with open(os.path.join(directory, f"{os.getpid()}-{time.time_ns()}"), "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while len(os.listdir(directory)) < count:
+        if time.monotonic() > deadline:
+            return os.getpid(), False
+        time.sleep(0.005)
+    return os.getpid(), True
+
+
+class SlowToLoad:
+    """A value whose unpickling says it started (a file ``gate + '.loading'``)
+    and then waits at the :class:`FileGate` at path ``gate``."""
+
+    def __init__(self, gate: str):
+        self.gate = gate
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        FileGate(self.gate + ".loading").open()
+        until_opened(self.gate)
+
+
+def slow_to_load(gate: str) -> SlowToLoad:
+    return SlowToLoad(gate)

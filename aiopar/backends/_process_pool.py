@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import os
 import pickle
 import selectors
+import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +42,7 @@ from . import _process_wire as wire
 from ._base import Task
 from ._process_handle import Job, Worker, describe_exit
 from ._process_pickle import Packed, remote_exception, unpickling_failed
+from ._process_results import Unpicklers, calls_no_code
 
 __all__ = ["GRACE", "Pool"]
 
@@ -77,15 +80,26 @@ _inherited: list[subprocess.Popen[bytes]] = []
 class Pool:
     """The workers, the queue and the manager thread of one process backend.
 
-    ``label`` names the backend in messages and logs. Thread-safe: any
-    thread may submit, close and join.
+    ``label`` names the backend in messages and logs. A worker that has
+    been handed ``max_tasks_per_child`` jobs exits once it has run them and
+    a new one takes its place (None: workers live as long as the pool).
+    ``worker_options`` go to each :class:`~._process_handle.Worker`.
+    Thread-safe: any thread may submit, close and join.
     """
 
     def __init__(
-        self, max_workers: int, prefetch: int | None, grace: float | None, label: str
+        self,
+        max_workers: int,
+        prefetch: int | None,
+        grace: float | None,
+        label: str,
+        max_tasks_per_child: int | None = None,
+        **worker_options: Any,
     ) -> None:
         self.max_workers = max_workers
         self.prefetch = prefetch
+        self.max_tasks_per_child = max_tasks_per_child
+        self._worker_options = worker_options  # for each Worker (its initializer, say)
         self.grace = grace
         self.label = label
         self._name = f"aiopar-process-{next(_pool_ids)}"  # of its threads
@@ -102,12 +116,14 @@ class Pool:
         self.segments = SegmentPool()  # what calls are packed into
         self._lock = threading.Lock()
         self._pending: deque[Job] = deque()
-        self._workers: list[Worker] = []
-        self._idle: list[Worker] = []
+        self._workers: list[PoolWorker] = []
+        self._idle: list[PoolWorker] = []
+        self._starting = 0  # workers started and not ready yet
         self._start_failures = 0
+        self._results = Unpicklers(self._name, self._wake)  # see _on_outcome
         self._manager: threading.Thread | None = None
         self._dispatch_asked = False  # the manager has been woken to send what is queued
-        self._unsure: tuple[Worker, Job] | None = None  # see _send_now
+        self._unsure: tuple[PoolWorker, Job] | None = None  # see _send_now
         self._wake_lock = threading.RLock()  # RLock: finalizers may re-enter
         self._wake_r = self._wake_w = -1  # the manager's wake-up pipe, made with it
         self._unmapped: deque[tuple[Worker, int]] = deque()
@@ -155,7 +171,7 @@ class Pool:
             )
 
     def submit(self, job: Job) -> None:
-        """Queue the job, or send it at once if a worker is idle; raises
+        """Queue the job, or send it at once if a worker can take it; raises
         RuntimeError if the pool was closed meanwhile."""
         if sys.path != self._sys_path:  # cheap while it is the same: compared item by item
             with self._lock:
@@ -184,8 +200,8 @@ class Pool:
     # would leave the worker's stream out of step with what the pool
     # expects of it. So the main thread leaves the queue to the manager,
     # which no signal interrupts, and sends only its own small task to a
-    # worker itself (the quick round trip of a script's fork and wait),
-    # noting it first: see _send_now.
+    # worker itself (the quick round trip of a script's fork and wait);
+    # every hand-over notes itself first: see _send_now.
 
     def _submit_on_main_thread(self, job: Job) -> None:
         # Called with the lock held.
@@ -201,14 +217,29 @@ class Pool:
             self._wake()
             self._dispatch_asked = True  # once woken: a Ctrl-C in _wake leaves it to the next fork
 
-    def _worker_for_now(self, job: Job) -> Worker | None:
-        """The worker the main thread may send the job to itself, as
-        :meth:`_dispatch` would: an idle one, else one it can be prefetched
-        onto; None if the job is to be queued. Called with the lock held."""
+    def _worker_for_now(self, job: Job) -> PoolWorker | None:
+        """The worker the main thread may send the job to itself: the one
+        :meth:`_worker_for` picks, for a small task with nothing queued
+        before it; None if the job is to be queued. Called with the lock held."""
         if self._pending or job.kind != wire.TASK or not _prefetchable(job):
             return None
+        return self._worker_for(job)
+
+    def _worker_for(self, job: Job) -> PoolWorker | None:
+        """The worker to hand the job to now, or None to keep it queued.
+
+        An idle worker first. A job goes ahead to a busy worker (prefetch)
+        only when no worker is idle or starting and the pool has all its
+        workers, so tasks forked at once run on as many workers as the pool
+        may have, on a fresh pool too; and only a
+        small call, within the prefetch depth, what the worker's socket
+        buffers, and the worker's ``max_tasks_per_child``. Called with the
+        lock held.
+        """
         if self._idle:
             return self._idle[-1]
+        if self._starting or len(self._workers) < self.max_workers or not _prefetchable(job):
+            return None  # a worker is, or can be, on its way
         depth = self.prefetch_depth()
         size = len(job.packed.payload)
         for worker in self._workers:
@@ -216,22 +247,40 @@ class Pool:
                 worker.ready
                 and not worker.stopping
                 and 0 < len(worker.inflight) <= depth
+                and self._takes_more(worker)
                 and _queued_bytes(worker) + size <= PREFETCH_MAX_BYTES
             ):
                 return worker
         return None
 
-    def _send_now(self, worker: Worker, job: Job) -> None:
-        """Send a small task from the main thread to a worker that is idle
-        or can take it ahead (see :meth:`_worker_for_now`).
+    def _takes_more(self, worker: PoolWorker) -> bool:
+        """Whether the worker may be handed another job (max_tasks_per_child)."""
+        limit = self.max_tasks_per_child
+        return limit is None or worker.handed < limit
 
-        A signal handler's exception may end this after any call. The worker
-        and job are noted first, by a plain store, which no signal handler
-        interrupts, and the note is cleared last; whoever takes the lock next
-        to send a job or to read a reply finishes the send first
-        (:meth:`_finish_send`), so nothing that waits for the worker waits
-        for this send. The frame fits in the socket's buffer, so it goes
-        whole or not at all. Called with the lock held.
+    def _dispatch(self) -> None:
+        """Hand the queued jobs, oldest first, to the workers that can take
+        them (see :meth:`_worker_for`). Called with the lock held."""
+        self._finish_send()
+        pending = self._pending
+        while pending:
+            worker = self._worker_for(pending[0])
+            if worker is None:
+                return
+            self._send_now(worker, pending.popleft())
+
+    def _send_now(self, worker: PoolWorker, job: Job) -> None:
+        """Hand the job to the worker, unless it was cancelled: the one way
+        a job goes to a worker.
+
+        On the main thread a signal handler's exception may end this after
+        any call. The worker and job are noted first, by a plain store,
+        which no signal handler interrupts, and the note is cleared last;
+        whoever takes the lock next to send a job or to read a reply
+        finishes the send first (:meth:`_finish_send`), so nothing that
+        waits for the worker waits for this send. The main thread sends only
+        small frames, which fit in the socket's buffer, so they go whole or
+        not at all. Called with the lock held.
         """
         self._unsure = (worker, job)
         if job.claim():
@@ -264,43 +313,10 @@ class Pool:
                 self._idle.append(worker)
         self._unsure = None
 
-    def _dispatch(self) -> None:
-        """Send queued jobs to idle workers, then prefetch onto busy ones.
-
-        Called with the lock held.
-        """
-        self._finish_send()
-        pending = self._pending
-        while pending and self._idle:
-            job = pending.popleft()
-            if job.claim():
-                self._send(self._idle.pop(), job)
-        if not pending:
-            return
-        depth = self.prefetch_depth()
-        if not depth:
-            return
-        for worker in self._workers:
-            if not pending:
-                break
-            if not worker.ready or not worker.inflight:
-                continue
-            queued = _queued_bytes(worker)
-            while pending and not worker.stopping and len(worker.inflight) <= depth:
-                job = pending[0]
-                if not _prefetchable(job):
-                    return  # big calls only go to a worker that is reading
-                size = len(job.packed.payload)
-                if queued + size > PREFETCH_MAX_BYTES:
-                    break
-                pending.popleft()
-                if job.claim():
-                    queued += size
-                    self._send(worker, job)
-
-    def _send(self, worker: Worker, job: Job) -> None:
+    def _send(self, worker: PoolWorker, job: Job) -> None:
         # Called with the lock held.
         worker.inflight.append(job)
+        worker.handed += 1
         self._transmit(worker, job)
 
     def _transmit(self, worker: Worker, job: Job) -> None:
@@ -366,34 +382,17 @@ class Pool:
         pass
 
     def _manage(self, generation: int) -> None:
+        """The manager thread, in phases as ``concurrent.futures``' is: hand
+        out work (:meth:`_add_work`), wait for the workers
+        (:meth:`_Watch.ready`), account for what each sent or how it exited
+        (:meth:`_handle`), and settle the futures last."""
         set_waiter(self)
-        selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ, None)
-        watched: set[Worker] = set()
+        watch = _Watch(self._wake_r)
         settles: list[Settle] = []
         handed_off = False
-        resuming = True  # frames a previous manager read but left unhandled come first
         try:
             while True:
-                timeout = None if self._deadline is None else self._enforce_deadline(settles)
-                with self._lock:
-                    self._dispatch_asked = False
-                    self._dispatch()  # what the main thread queued
-                    if self._pending and len(self._workers) < self.max_workers:
-                        for job, error in self._start_workers():
-                            job.packed.discard()
-                            settles.append((job.future, (None, error)))
-                    # Workers are only ever added here, and dropped from both
-                    # once they are gone: the sizes tell whether one is new.
-                    if len(watched) != len(self._workers):
-                        for worker in self._workers:
-                            if worker not in watched:
-                                watched.add(worker)
-                                if not worker.eof:
-                                    selector.register(worker.channel, selectors.EVENT_READ, worker)
-                                if worker.pidfd is not None:
-                                    selector.register(worker.pidfd, selectors.EVENT_READ, worker)
-                    stop = self.closed and not self._pending and not self._busy()
+                stop = self._add_work(watch, settles)
                 # Settled last, right before select() lets go of the GIL, so
                 # a waiter that wakes up finds it free.
                 if settles and self._settle_all(settles, generation):
@@ -401,33 +400,8 @@ class Pool:
                     return
                 if stop:
                     break
-                ready = []
-                if resuming:
-                    resuming = False
-                    keys = selector.get_map()
-                    ready = [
-                        (key, None)
-                        for w in watched
-                        if not w.eof
-                        and w.channel.has_frame()
-                        and (key := keys.get(w.channel)) is not None
-                    ]
-                for key, _ in ready or selector.select(timeout):
-                    worker = key.data
-                    if worker is None:
-                        with contextlib.suppress(BlockingIOError):
-                            os.read(self._wake_r, 4096)
-                        self._send_releases()
-                    elif worker in watched:
-                        if key.fileobj is worker.channel:
-                            self._read(worker, selector, settles)
-                            if worker.eof and worker in self._workers:
-                                with contextlib.suppress(KeyError, ValueError):
-                                    selector.unregister(worker.channel)
-                        else:
-                            self._worker_died(worker, selector, settles)
-                        if worker not in self._workers:
-                            watched.discard(worker)
+                for fileobj, worker in watch.ready():
+                    self._handle(fileobj, worker, watch, settles)
             self._stop_workers()
         except BaseException:
             _logger.exception("the manager thread of %s failed; failing its tasks", self.label)
@@ -436,13 +410,57 @@ class Pool:
             self._fail_everything()
             raise
         finally:
-            selector.close()
+            watch.selector.close()
             if not handed_off:
-                with self._wake_lock:
-                    os.close(self._wake_r)
-                    os.close(self._wake_w)
-                    self._wake_r = self._wake_w = -1
-                self.segments.close()
+                self._manager_done()
+
+    def _add_work(self, watch: _Watch, settles: list[Settle]) -> bool:
+        """Enforce the deadline, hand the queued jobs to the workers, start
+        the workers they need and watch the new ones, adding the futures to
+        settle to ``settles``. True once the pool is closed and has nothing
+        left to do."""
+        watch.timeout = None if self._deadline is None else self._enforce_deadline(settles)
+        with self._lock:
+            self._dispatch_asked = False
+            self._dispatch()  # what the main thread queued
+            if self._pending and len(self._workers) < self.max_workers:
+                for job, error in self._start_workers():
+                    job.packed.discard()
+                    settles.append((job.future, (None, error)))
+            watch.add_new(self._workers)
+            return self.closed and not self._pending and not self._busy() and not self._results.busy
+
+    def _handle(
+        self, fileobj: Any, worker: PoolWorker | None, watch: _Watch, settles: list[Settle]
+    ) -> None:
+        """Account for what ``fileobj`` has to say: the wake-up pipe (None
+        for a worker), a worker's socket, or its pidfd (it exited)."""
+        if worker is None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+            self._send_releases()
+            return
+        if worker not in watch.workers:
+            return  # gone earlier in this round
+        if fileobj is worker.channel:
+            self._read(worker, watch, settles)
+            if worker.eof and worker in self._workers:
+                with contextlib.suppress(KeyError, ValueError):
+                    watch.selector.unregister(worker.channel)
+        else:
+            self._worker_died(worker, watch, settles)
+        if worker not in self._workers:
+            watch.workers.discard(worker)
+
+    def _manager_done(self) -> None:
+        """Let go of what the last manager thread used, once the pool is done."""
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
+        self._results.stop()
+        self._results.join()
+        self.segments.close()
 
     def _settle_all(self, settles: list[Settle], generation: int) -> bool:
         """Settle the futures; True if a callback blocked and a new manager
@@ -463,8 +481,7 @@ class Pool:
         Called with the lock held; returns the jobs to fail (after the lock
         is released) if no worker could be started at all.
         """
-        starting = sum(1 for worker in self._workers if not worker.ready)
-        wanted = min(len(self._pending) - starting, self.max_workers - len(self._workers))
+        wanted = min(len(self._pending) - self._starting, self.max_workers - len(self._workers))
         for _ in range(max(wanted, 0)):
             try:
                 self._workers.append(self._new_worker())
@@ -483,9 +500,10 @@ class Pool:
                     )
                     for job in doomed
                 ]
+            self._starting += 1
         return []
 
-    def _new_worker(self) -> Worker:
+    def _new_worker(self) -> PoolWorker:
         pool_ref = weakref.ref(self)
 
         def unmapped(worker: Worker, seg_id: int) -> None:
@@ -497,7 +515,9 @@ class Pool:
                 pool._wake()
 
         index = next(self._worker_index)
-        return Worker(index, self._path, self._path_version, self.segments, unmapped)
+        return PoolWorker(
+            index, self._path, self._path_version, self.segments, unmapped, **self._worker_options
+        )
 
     def _send_releases(self) -> None:
         """Tell the workers which of their segments this process no longer maps."""
@@ -515,54 +535,67 @@ class Pool:
 
     # -- frames and outcomes ---------------------------------------------------
 
-    def _read(
-        self, worker: Worker, selector: selectors.BaseSelector, settles: list[Settle]
-    ) -> None:
+    def _read(self, worker: PoolWorker, watch: _Watch, settles: list[Settle]) -> None:
         """Handle the frames waiting on the worker's socket, adding the futures
-        to settle to ``settles``."""
+        to settle to ``settles``. A worker whose socket carries anything that
+        is not a frame it owes is broken (:meth:`_break`)."""
         channel = worker.channel
-        while True:
-            try:
+        try:
+            while True:
                 frame = channel.recv()
-            except (EOFError, OSError):
-                with self._lock:
-                    worker.eof = True
-                    worker.stopping = True
-                    if worker in self._idle:
-                        self._idle.remove(worker)
-                if worker.pidfd is None:  # no pidfd to tell when it has exited
-                    self._worker_died(worker, selector, settles)
-                return
-            if frame is not None and (outcome := self._on_frame(worker, frame)):
-                settles.append(outcome)
-            del frame
-            if not channel.has_frame():
-                return
+                if frame is not None and (outcome := self._on_frame(worker, frame)):
+                    settles.append(outcome)
+                del frame
+                if not channel.has_frame():
+                    return
+        except wire.BadFrame as exc:
+            self._break(worker, str(exc), watch, settles)
+        except (EOFError, OSError):
+            with self._lock:
+                worker.eof = True
+                worker.stopping = True
+                if worker in self._idle:
+                    self._idle.remove(worker)
+            if worker.pidfd is None:  # no pidfd to tell when it has exited
+                self._worker_died(worker, watch, settles)
 
-    def _on_frame(self, worker: Worker, frame: wire.Frame) -> Settle | None:
+    def _on_frame(self, worker: PoolWorker, frame: wire.Frame) -> Settle | None:
         """Account for the frame; return the settling of its future, which the
-        caller does last (a done-callback may block, see blocked)."""
-        if frame.kind == wire.READY:
+        caller does last (a done-callback may block, see blocked). Raises
+        :class:`~._process_wire.BadFrame` for a frame the worker does not owe."""
+        kind = frame.kind
+        if kind == wire.RESULT or kind == wire.ERROR:
+            return self._on_outcome(worker, frame)
+        if kind == wire.TRACE:  # about the running task; its result comes next
+            with self._lock:
+                self._finish_send()
+                job = self._owed(worker, frame)
+            job.forks = frame.loads()
+        elif kind == wire.READY and not worker.ready:
             with self._lock:
                 worker.ready = True
+                self._starting -= 1
                 self._start_failures = 0
                 if not worker.stopping:
                     self._idle.append(worker)
                 self._dispatch()
-            return None
-        if frame.kind == wire.TRACE:  # about the running task; its result comes next
-            with self._lock:
-                self._finish_send()
-                job = worker.inflight[0]
-            assert job.id == frame.msg_id, (job.id, frame.msg_id)
-            job.forks = frame.loads()
-            return None
+        else:
+            raise wire.BadFrame(f"a frame of kind {kind}, which it never sends at this point")
+        return None
+
+    def _on_outcome(self, worker: PoolWorker, frame: wire.Frame) -> Settle | None:
+        """Account for the outcome of the worker's running job; return the
+        settling of its future if its pickle loads at once, else hand that
+        to an unpickler thread and return None."""
         with self._lock:
             self._finish_send()
-            job = worker.inflight.popleft()
-            assert job.id == frame.msg_id, (job.id, frame.msg_id)
+            job = self._owed(worker, frame)
+            worker.inflight.popleft()
             if not worker.inflight and not worker.stopping:
-                self._idle.append(worker)
+                if self._takes_more(worker):
+                    self._idle.append(worker)
+                else:
+                    self._retire(worker)
             self._dispatch()
         self._mean_run_ns += (frame.t1 - frame.t0 - self._mean_run_ns) // 8
         if self._renew and self._deadline is not None:
@@ -575,90 +608,97 @@ class Pool:
             )
             if job.forks is not None:
                 record.on_remote_forks(job.forks)
-        try:
-            if frame.kind == wire.RESULT:
-                outcome: tuple[Any, BaseException | None] = (frame.loads(), None)
-            else:
-                outcome = (None, remote_exception(frame.loads(), job.name))
-        except BaseException as exc:
-            outcome = (None, unpickling_failed(exc, job.name))
-        return job.future, outcome
+        if frame.kind == wire.RESULT and not frame.buffers and calls_no_code(frame.payload):
+            return job.future, _outcome(job, frame)
+        self._results.run(functools.partial(_settle_from, job, frame))
+        return None
 
-    def _worker_died(
-        self, worker: Worker, selector: selectors.BaseSelector, settles: list[Settle]
-    ) -> None:
+    @staticmethod
+    def _owed(worker: Worker, frame: wire.Frame) -> Job:
+        """The job the worker is running, which the frame must be about."""
+        if not worker.inflight or worker.inflight[0].id != frame.msg_id:
+            running = f"job {worker.inflight[0].id}" if worker.inflight else "no job"
+            raise wire.BadFrame(
+                f"a frame of kind {frame.kind} about job {frame.msg_id}, where it runs {running}"
+            )
+        return worker.inflight[0]
+
+    def _retire(self, worker: PoolWorker) -> None:
+        """Let the worker go, its ``max_tasks_per_child`` jobs done: the end
+        of its socket tells it to exit, as at shutdown, and a new worker
+        takes its place when there is work. Called with the lock held."""
+        worker.stopping = True
+        with contextlib.suppress(OSError):
+            worker.channel.sock.shutdown(socket.SHUT_WR)
+
+    def _break(self, worker: PoolWorker, what: str, watch: _Watch, settles: list[Settle]) -> None:
+        """The worker's socket carried ``what``, which is no frame it owes:
+        nothing more it sends can be trusted, so it is killed and its jobs
+        fail, as if it had died; the rest of the pool carries on."""
+        _logger.warning("%s: killing %r, whose socket carried %s", self.label, worker, what)
+        worker.broken = what
+        with contextlib.suppress(OSError):
+            worker.process.kill()
+        self._worker_died(worker, watch, settles)
+
+    def _worker_died(self, worker: PoolWorker, watch: _Watch, settles: list[Settle]) -> None:
         """Account for a worker's exit, adding the futures to settle to
         ``settles``: what it finished still counts, what it was running
-        fails, what was queued on it runs elsewhere."""
+        fails, what was queued on it runs elsewhere (or fails, if its
+        socket broke: whether it ran is not known)."""
+        if worker.broken is None:
+            self._read_last_frames(worker, settles)
+        returncode = worker.process.wait()
+        with self._lock:
+            losses = self._drop(worker, describe_exit(returncode))
+        worker.unregister(watch.selector)  # before closing: the numbers may be reused
+        worker.close()
+        for job, message in losses:
+            job.packed.discard()
+            settles.append((job.future, (None, BrokenWorkerError(message))))
+
+    def _read_last_frames(self, worker: PoolWorker, settles: list[Settle]) -> None:
+        """Handle what the worker sent before it exited."""
         with contextlib.suppress(OSError, EOFError):
             worker.channel.sock.setblocking(False)
             while True:
                 try:
                     frame = worker.channel.recv()
+                    if frame is not None and (outcome := self._on_frame(worker, frame)):
+                        settles.append(outcome)
                 except BlockingIOError:
-                    break
-                if frame is not None and (outcome := self._on_frame(worker, frame)):
-                    settles.append(outcome)
-        returncode = worker.process.wait()
-        with self._lock:
-            self._finish_send()
-            self._workers.remove(worker)
-            if worker in self._idle:
-                self._idle.remove(worker)
-            inflight = list(worker.inflight)
-            worker.inflight.clear()
-            running = inflight[0] if inflight else None
-            stranded = inflight[1:]  # sent but not started
-            if worker.terminated is None:  # run them elsewhere
-                for job in reversed(stranded):
-                    self._pending.appendleft(job)
-                    if job.packed.segment is not None:
-                        job.packed.segment.owner = None
-                stranded = []
-            self.segments.release_owner(worker)
-            failed_to_start = not worker.ready and not self.closed
-            doomed: list[Job] = []
-            if failed_to_start:
-                self._start_failures += 1
-                if self._start_failures >= MAX_START_FAILURES:
-                    doomed = list(self._pending)
-                    self._pending.clear()
-            self._dispatch()
-        worker.unregister(selector)  # before closing: the numbers may be reused
-        worker.close()
-        cause = describe_exit(returncode)
+                    return
+                except wire.BadFrame as exc:
+                    worker.broken = str(exc)
+                    return
 
-        def lost(job: Job, message: str) -> None:
-            job.packed.discard()
-            settles.append((job.future, (None, BrokenWorkerError(message))))
-
-        if worker.terminated is not None:
-            if running is not None:
-                lost(
-                    running,
-                    f"the worker process (pid {worker.pid}) running {running.name}() was "
-                    f"terminated at shutdown: {worker.terminated}. The task's work is lost",
-                )
-            for job in stranded:
-                lost(
-                    job,
-                    f"{job.name}() never ran: it was queued on the worker process "
-                    f"(pid {worker.pid}) that shutdown terminated ({worker.terminated})",
-                )
-        elif running is not None:
-            lost(
-                running,
-                f"the worker process (pid {worker.pid}) running {running.name}() died: "
-                f"{cause}. The task's work is lost; other tasks are unaffected and a new "
-                f"worker replaces it",
-            )
-        for job in doomed:
-            lost(
-                job,
-                f"{MAX_START_FAILURES} worker processes in a row died before they were "
-                f"ready (the last one {cause}); their error output is above. "
-                f"{job.name}() was never run",
-            )
+    def _drop(self, worker: PoolWorker, cause: str) -> list[tuple[Job, str]]:
+        """Take the exited worker off the pool; requeue what it had not
+        started; return the jobs to fail, each with what to tell. Called
+        with the lock held."""
+        self._finish_send()
+        self._workers.remove(worker)
+        if worker in self._idle:
+            self._idle.remove(worker)
+        if not worker.ready:
+            self._starting -= 1
+        jobs = list(worker.inflight)
+        worker.inflight.clear()
+        if worker.terminated is None and worker.broken is None:  # run them elsewhere
+            for job in reversed(jobs[1:]):
+                self._pending.appendleft(job)
+                if job.packed.segment is not None:
+                    job.packed.segment.owner = None
+            del jobs[1:]
+        self.segments.release_owner(worker)
+        losses = _losses(worker, cause, jobs)
+        if not worker.ready and not self.closed:
+            self._start_failures += 1
+            if self._start_failures >= MAX_START_FAILURES:
+                losses += [(job, _never_started(job, cause)) for job in self._pending]
+                self._pending.clear()
+        self._dispatch()
+        return losses
 
     # -- stopping --------------------------------------------------------------
 
@@ -810,6 +850,123 @@ class Pool:
                 f"result never reaches this copy of the future"
             )
             settle(job.future, (None, error))
+
+
+class PoolWorker(Worker):
+    """A worker process as its pool accounts for it: how many jobs it was
+    handed, and what its socket carried that broke it (None while sound)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.handed = 0
+        self.broken: str | None = None
+
+
+class _Watch:
+    """What one manager thread waits on: its wake-up pipe, and each worker's
+    socket and pidfd (a selector key's data is its worker, None for the pipe)."""
+
+    def __init__(self, wake_r: int) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(wake_r, selectors.EVENT_READ, None)
+        self.workers: set[PoolWorker] = set()
+        self.timeout: float | None = None  # how long ready() may wait: for ever
+        self._resuming = True
+
+    def add_new(self, workers: list[PoolWorker]) -> None:
+        """Watch the workers not watched yet."""
+        # Workers are only ever added by the manager, and dropped from both
+        # once they are gone: the sizes tell whether one is new.
+        if len(self.workers) == len(workers):
+            return
+        for worker in workers:
+            if worker not in self.workers:
+                self.workers.add(worker)
+                if not worker.eof:
+                    self.selector.register(worker.channel, selectors.EVENT_READ, worker)
+                if worker.pidfd is not None:
+                    self.selector.register(worker.pidfd, selectors.EVENT_READ, worker)
+
+    def ready(self) -> list[tuple[Any, PoolWorker | None]]:
+        """What there is to read, as (file, worker): at first the frames a
+        previous manager read but left unhandled, then what select() finds."""
+        if self._resuming:
+            self._resuming = False
+            buffered: list[tuple[Any, PoolWorker | None]] = [
+                (w.channel, w) for w in self.workers if not w.eof and _buffered(w)
+            ]
+            if buffered:
+                return buffered
+        return [(key.fileobj, key.data) for key, _ in self.selector.select(self.timeout)]
+
+
+def _buffered(worker: Worker) -> bool:
+    """Whether a whole frame, or something that is not one, waits in the
+    worker's channel's buffer."""
+    try:
+        return worker.channel.has_frame()
+    except wire.BadFrame:
+        return True  # for _read to find
+
+
+def _outcome(job: Job, frame: wire.Frame) -> tuple[Any, BaseException | None]:
+    """The outcome the job's RESULT or ERROR frame carries."""
+    try:
+        if frame.kind == wire.RESULT:
+            return frame.loads(), None
+        return None, remote_exception(frame.loads(), job.name)
+    except BaseException as exc:
+        return None, unpickling_failed(exc, job.name)
+
+
+def _settle_from(job: Job, frame: wire.Frame) -> None:
+    """Settle the job's future with the outcome its frame carries."""
+    settle(job.future, _outcome(job, frame))
+
+
+def _losses(worker: PoolWorker, cause: str, jobs: list[Job]) -> list[tuple[Job, str]]:
+    """What to tell the futures of the jobs a gone worker still had: the
+    first it was running, the others it had been sent (``cause``: how it
+    exited)."""
+    pid = worker.pid
+    if worker.broken is not None:
+        return [
+            (
+                job,
+                f"the worker process (pid {pid}) {'running' if i == 0 else 'sent'} "
+                f"{job.name}() was killed: its socket carried {worker.broken}. Whether the "
+                f"task ran is unknown; other tasks are unaffected and a new worker replaces it",
+            )
+            for i, job in enumerate(jobs)
+        ]
+    if worker.terminated is not None:
+        return [
+            (
+                job,
+                f"the worker process (pid {pid}) running {job.name}() was terminated at "
+                f"shutdown: {worker.terminated}. The task's work is lost"
+                if i == 0
+                else f"{job.name}() never ran: it was queued on the worker process "
+                f"(pid {pid}) that shutdown terminated ({worker.terminated})",
+            )
+            for i, job in enumerate(jobs)
+        ]
+    return [
+        (
+            job,
+            f"the worker process (pid {pid}) running {job.name}() died: {cause}. The task's "
+            f"work is lost; other tasks are unaffected and a new worker replaces it",
+        )
+        for job in jobs
+    ]
+
+
+def _never_started(job: Job, cause: str) -> str:
+    return (
+        f"{MAX_START_FAILURES} worker processes in a row died before they were "
+        f"ready (the last one {cause}); their error output is above. "
+        f"{job.name}() was never run"
+    )
 
 
 def _prefetchable(job: Job) -> bool:

@@ -33,6 +33,7 @@ __all__ = [
     "SKIP",
     "TASK",
     "TRACE",
+    "BadFrame",
     "Channel",
     "Frame",
 ]
@@ -51,6 +52,20 @@ _HEADER = struct.Struct("<BBxxIIxxxxqQQQqq")
 # segment flags: there is a segment; the pickle is in it, after the buffers
 _HAS_SEGMENT, _PICKLE_IN_SEGMENT = 1, 2
 _ANC_SIZE = socket.CMSG_SPACE(16 * array("i").itemsize)
+_KINDS = frozenset(range(TASK, SKIP + 1))
+# Bounds on what a header may announce, checked before anything is
+# allocated: no frame carries more ids than this, nor a payload bigger than
+# this machine's memory.
+_MAX_IDS = 1 << 20
+try:
+    _MAX_PAYLOAD = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):
+    _MAX_PAYLOAD = 1 << 40
+
+
+class BadFrame(Exception):
+    """The peer sent something that is not a frame of this wire, or that its
+    receiver did not expect: the stream can no longer be trusted."""
 
 
 class Frame:
@@ -162,21 +177,23 @@ class Channel:
                 sent = 0
 
     def has_frame(self) -> bool:
-        """Whether a whole frame is already buffered (recv will not block)."""
+        """Whether a whole frame is already buffered (recv will not block);
+        raises :class:`BadFrame` for a header that is not one."""
         return len(self._buf) >= _HEADER.size and self._frame_size() <= len(self._buf)
 
     def _frame_size(self) -> int:
-        _, flags, nbufs, nrel, _, _, _, plen, _, _ = _HEADER.unpack_from(self._buf)
+        _, flags, nbufs, nrel, _, _, _, plen, _, _ = _header(self._buf)
         size: int = _HEADER.size + 8 * (nbufs + nrel) + (0 if flags & _PICKLE_IN_SEGMENT else plen)
         return size
 
     def recv(self) -> Frame | None:
         """The next frame, blocking until it is whole; None for a frame that
-        only carried released segment ids. Raises EOFError when the peer is gone."""
+        only carried released segment ids. Raises EOFError when the peer is
+        gone, :class:`BadFrame` when what it sent is not a frame."""
         buf = self._buf
         while len(buf) < _HEADER.size:
             self._fill()
-        kind, flags, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _HEADER.unpack_from(buf)
+        kind, flags, nbufs, nrel, msg_id, seg_id, seg_size, plen, t0, t1 = _header(buf)
         in_segment = plen if flags & _PICKLE_IN_SEGMENT else 0
         if in_segment:
             plen = 0  # on the socket
@@ -205,19 +222,25 @@ class Channel:
             self._on_released(released_id)
         buffers: list[memoryview] = []
         if flags & _HAS_SEGMENT:
-            if not self._fds:
-                raise EOFError("a frame announced a shared-memory segment that did not arrive")
-            fd = self._fds.popleft()
-            on_unmapped = self._on_unmapped
             lengths = list(ids[:nbufs])
             if in_segment:
                 lengths.append(in_segment)
-            buffers = map_segment(fd, seg_size, lengths, lambda: on_unmapped(seg_id))
+            buffers = self._map(seg_id, seg_size, lengths)
             if in_segment:
                 payload = buffers.pop()
         if kind == RELEASE:
             return None
         return Frame(kind, msg_id, payload, buffers, t0, t1)
+
+    def _map(self, seg_id: int, size: int, lengths: list[int]) -> list[memoryview]:
+        """The buffers of ``lengths`` in the segment that came with the frame."""
+        if not self._fds:
+            raise BadFrame("a frame announced a shared-memory segment that did not arrive")
+        on_unmapped = self._on_unmapped
+        try:
+            return map_segment(self._fds.popleft(), size, lengths, lambda: on_unmapped(seg_id))
+        except ValueError as exc:
+            raise BadFrame(str(exc)) from None
 
     def _fill(self) -> None:
         """Read what is there (up to a chunk) onto the end of the buffer."""
@@ -248,3 +271,24 @@ class Channel:
         while self._fds:
             os.close(self._fds.popleft())
         self.sock.close()
+
+
+def _header(buf: bytearray) -> tuple[int, ...]:
+    """The fields of the header at the start of ``buf``, once they are known
+    to describe a frame this wire could have sent: a known kind and flags,
+    zero padding, and sizes within bounds."""
+    fields = _HEADER.unpack_from(buf)
+    kind, flags, nbufs, nrel, _, _, _, plen, _, _ = fields
+    known = kind in _KINDS and flags <= _HAS_SEGMENT | _PICKLE_IN_SEGMENT
+    if not known or any(buf[i] for i in _PADS):
+        raise BadFrame(f"a header that is not one (its first bytes: {bytes(buf[:16]).hex()})")
+    if nbufs + nrel > _MAX_IDS or plen > _MAX_PAYLOAD:
+        raise BadFrame(
+            f"a header announcing {plen} bytes and {nbufs + nrel} ids, more than a frame "
+            f"carries (at most {_MAX_PAYLOAD} bytes and {_MAX_IDS} ids)"
+        )
+    return fields
+
+
+# Where the header's padding bytes are: always zero in a frame of this wire.
+_PADS = (2, 3, 12, 13, 14, 15)

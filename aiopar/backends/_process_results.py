@@ -1,0 +1,125 @@
+"""Where the process backend's manager thread unpickles a result: at once,
+or on a thread of its own.
+
+A pickle may run any code as it loads (a class's ``__setstate__``, a
+reducer's callable), for as long as that code likes. The manager thread
+reads every worker's frames, so it loads only a pickle that calls no code:
+a small one of plain data (numbers, strings, bytes, lists, dicts, tuples),
+which costs time in proportion to its few bytes. Any other result is
+loaded, and its future settled, by an :class:`Unpicklers` thread; a thread
+busy with one result never holds up another, which gets a thread of its own.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+__all__ = ["QUICK_PICKLE", "Unpicklers", "calls_no_code"]
+
+#: the largest pickle the manager thread loads itself
+QUICK_PICKLE = 4096
+# Bytes that stand for the opcodes through which a pickle reaches code
+# (protocol 5 names a global with STACK_GLOBAL, or through the extension
+# registry: EXT1, EXT2, EXT4). Any of them may also be part of some data,
+# which then only takes the longer way.
+_CODE_OPCODES = (b"\x93", b"\x82", b"\x83", b"\x84")
+# How long a thread with nothing to do waits for more before it exits.
+IDLE_EXIT = 5.0
+
+Work = Callable[[], None]
+
+
+def calls_no_code(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether unpickling ``payload`` is quick for certain: it is small and
+    names no global, so loading it runs nothing but the unpickler."""
+    if len(payload) > QUICK_PICKLE:
+        return False
+    data = bytes(payload) if isinstance(payload, memoryview) else payload
+    return not any(opcode in data for opcode in _CODE_OPCODES)
+
+
+class Unpicklers:
+    """Threads that each run one piece of work at a time, a new thread
+    started whenever every one is busy; an idle one exits after a while.
+
+    ``on_idle`` is called, from the thread that finished it, when the last
+    piece of work in progress is done. ``stop`` lets every thread go once
+    the work in progress is done; :meth:`join` waits for them.
+    """
+
+    def __init__(self, name: str, on_idle: Callable[[], None]) -> None:
+        self._name = name
+        self._on_idle = on_idle
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Work | None]] = []  # one per idle thread
+        self._threads: list[threading.Thread] = []
+        self._count = 0  # pieces of work handed out and not yet done
+        self._stopped = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether work is in progress."""
+        return self._count > 0
+
+    def run(self, work: Work) -> None:
+        """Run ``work`` on an idle thread, or on a new one if none is idle."""
+        with self._lock:
+            self._count += 1
+            if self._idle:
+                self._idle.pop().put(work)
+                return
+            thread = threading.Thread(
+                target=self._serve,
+                args=(work,),
+                name=f"{self._name}-unpickler",
+                daemon=True,
+            )
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def _serve(self, work: Work | None) -> None:
+        inbox: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+        while work is not None:
+            work()
+            del work  # the result it settled is the future's now
+            with self._lock:
+                self._count -= 1
+                idle = not self._count
+                stopped = self._stopped
+                if not stopped:
+                    self._idle.append(inbox)
+            if idle:
+                self._on_idle()
+            if stopped:
+                return
+            work = self._next(inbox)
+
+    def _next(self, inbox: queue.SimpleQueue[Work | None]) -> Work | None:
+        """The next piece of work handed to this idle thread; None to exit."""
+        try:
+            return inbox.get(timeout=IDLE_EXIT)
+        except queue.Empty:
+            with self._lock:
+                if inbox in self._idle:
+                    self._idle.remove(inbox)
+                    return None
+            return inbox.get()  # handed some as the wait ran out
+
+    def stop(self) -> None:
+        """Let every thread go once it has nothing to do."""
+        with self._lock:
+            self._stopped = True
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+
+    def join(self) -> None:
+        """Wait for the threads that :meth:`stop` let go."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()

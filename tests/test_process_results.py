@@ -1,0 +1,45 @@
+"""Results are unpickled off the manager thread when that may take long, so
+a result slow to unpickle holds up its own future only."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import process_helpers
+import pytest
+from helpers import eventually
+from process_helpers import FileGate, add, slow_to_load
+
+from aiopar.backends._process_results import calls_no_code
+
+nothing_left_behind = process_helpers.nothing_left_behind
+own_pool = process_helpers.own_pool
+
+
+def test_a_result_slow_to_unpickle_holds_up_only_its_own_future(own_pool, tmp_path):
+    backend = own_pool(2)
+    gate = FileGate(tmp_path / "gate")
+    slow = backend.fork(slow_to_load, gate.path)
+    try:
+        eventually(lambda: os.path.exists(gate.path + ".loading"))  # it is being unpickled
+        quick = [backend.fork(add, i, 1) for i in range(4)]
+        assert [future.wait(timeout=20) for future in quick] == [1, 2, 3, 4]
+        assert not slow.done()
+    finally:
+        gate.open()
+    assert slow.wait(timeout=20).gate == gate.path
+
+
+@pytest.mark.parametrize(
+    ("value", "quick"),
+    [
+        (1, True),
+        ([1, "two", b"three", (4.0, None)], True),
+        ({"a": [1]}, True),
+        (range(3), False),
+        (os.urandom(8192), False),
+    ],
+)
+def test_the_manager_unpickles_only_small_plain_data_itself(value, quick):
+    assert calls_no_code(pickle.dumps(value, protocol=5)) is quick
