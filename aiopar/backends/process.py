@@ -160,6 +160,11 @@ class ProcessBackend(Backend):
     start method, workers are fresh interpreters, as "spawn" starts them, so
     under "fork" too they do not inherit this process's memory.
 
+    ``max_tasks_per_child``, as in ProcessPoolExecutor: a worker that has
+    been handed that many tasks exits once it has run them, and a new one
+    takes its place (a retirement, not a failure); None keeps workers for
+    the backend's life.
+
     ``grace`` (seconds, default 5) bounds how long stopping waits for tasks
     that do not return. ``shutdown(cancel_pending=True)`` cancels the queued
     tasks and gives the running ones ``grace`` seconds; a worker still
@@ -186,9 +191,11 @@ class ProcessBackend(Backend):
         initializer: Callable[..., object] | None = None,
         initargs: tuple[Any, ...] = (),
         mp_context: Any = None,
+        max_tasks_per_child: int | None = None,
     ) -> None:
         check_count(max_workers, "max_workers", none="the default")
         check_count(prefetch, "prefetch", minimum=0, none="adaptive")
+        check_count(max_tasks_per_child, "max_tasks_per_child", none="no limit")
         if grace is not None and (
             not isinstance(grace, int | float) or isinstance(grace, bool) or not grace >= 0
         ):
@@ -205,7 +212,9 @@ class ProcessBackend(Backend):
         super().__init__()
         self._max_workers = max_workers or _budget.cores()
         setup = {} if initializer is None else {"initializer": initializer, "initargs": initargs}
-        self._pool = Pool(self._max_workers, prefetch, grace, repr(self), **setup)
+        self._pool = Pool(
+            self._max_workers, prefetch, grace, repr(self), max_tasks_per_child, **setup
+        )
 
     @property
     def max_workers(self) -> int:
