@@ -40,6 +40,7 @@ from ._agent import DaskRpcAgent, close_peer
 from ._cluster import LOOPBACK, FreshNanny, cluster_security, scheduler_spec
 from ._peer import SECRET_KEY, Peer
 from ._rendezvous import endpoint
+from ._torchrun import agent_store, meet
 
 __all__ = ["rpc_engine"]
 
@@ -177,7 +178,15 @@ async def _start(
         )
     else:
         hosted = None
-        if rank == 0 and endpoint(address) is not None:
+        store = None
+        if rank is not None:
+            store = await asyncio.to_thread(agent_store, address, options.rpc_timeout)
+        if store is not None:  # torchrun started this job, and holds the rendezvous
+            hosted, address = await meet(
+                store, rank, address, options.security, options.rpc_timeout
+            )
+            parts.cluster = hosted
+        elif rank == 0 and endpoint(address) is not None:
             hosted = parts.cluster = await _rendezvous.host(address, options.security)
         if hosted is not None:
             address, security = hosted.scheduler_address, hosted.security
