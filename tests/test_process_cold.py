@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import process_helpers
 import pytest
-from process_helpers import meet
+from helpers import eventually
+from process_helpers import FileGate, add, meet, run_script, sleep_then, until_opened
 
 nothing_left_behind = process_helpers.nothing_left_behind
 own_pool = process_helpers.own_pool
@@ -50,3 +51,57 @@ def test_a_pool_below_its_size_starts_a_worker_rather_than_send_a_task_ahead(own
     outcomes = [future.wait(timeout=60) for future in futures]
     assert all(met for _, met in outcomes), outcomes
     assert len({pid for pid, _ in outcomes}) == 2, outcomes
+
+
+def test_no_task_is_sent_ahead_before_one_finished_nor_while_tasks_are_long(own_pool, tmp_path):
+    # Sent ahead, a task can no longer be cancelled (and after a Ctrl-C
+    # it would wait behind the running one): the pace must first be known
+    # to be quick enough for a round trip to matter.
+    backend = own_pool(1)
+    gate = FileGate(tmp_path / "gate")
+    first = backend.fork(until_opened, gate.path)
+    queued = backend.fork(add, 1)
+    try:
+        eventually(first.running)  # handed to the worker as it came up
+        assert queued.cancel()
+    finally:
+        gate.open()
+    assert first.wait(timeout=30) is None
+    assert backend.fork(sleep_then, 0.1, 2).wait(timeout=30) == 2  # the pace: 100 ms a task
+    gate = FileGate(tmp_path / "gate-again")
+    busy = backend.fork(until_opened, gate.path)
+    queued = backend.fork(add, 1)
+    try:
+        eventually(busy.running)
+        assert queued.cancel()
+    finally:
+        gate.open()
+    assert busy.wait(timeout=30) is None
+
+
+def test_a_ctrl_c_cancels_every_task_no_worker_runs_yet(tmp_path):
+    # Forked at once on a fresh pool, long tasks go to no worker ahead of
+    # their turn: what an uncaught KeyboardInterrupt cancels is every task
+    # that is not running, and none "never ran: it was queued on the worker".
+    done = run_script(
+        tmp_path,
+        """
+        import os, time, aiopar
+        from helpers import eventually
+        from process_helpers import meet
+
+        os.mkdir("started")
+        backend = aiopar.get_backend("process", max_workers=2, grace=0.5)
+        futures = [backend.fork(meet, os.path.abspath("started"), 99) for _ in range(4)]
+        for future in futures:
+            future.add_done_callback(
+                lambda f: print("cancelled" if f.cancelled() else repr(f.exception()), flush=True)
+            )
+        eventually(lambda: len(os.listdir("started")) == 2)  # two run, two wait
+        raise KeyboardInterrupt
+        """,
+    )
+    assert done.returncode != 0  # the interrupt still ends the program
+    assert done.stdout.count("cancelled") == 2, done.stdout
+    assert done.stdout.count("terminated at shutdown") == 2, done.stdout
+    assert "never ran" not in done.stdout + done.stderr

@@ -49,8 +49,11 @@ __all__ = ["GRACE", "Pool"]
 _logger = logging.getLogger("aiopar")
 
 # Adaptive prefetch: about this much work queued on a worker, at most this
-# many tasks, each at most this big, all of them at most this many bytes.
+# many tasks, each at most this big, all of them at most this many bytes;
+# none while the tasks take this long on average (a round trip is then
+# under a percent of a task, and a task not sent ahead can be cancelled).
 PREFETCH_BUDGET_NS = 1_000_000
+PREFETCH_LONG_NS = 50_000_000
 PREFETCH_MAX_TASKS = 16
 PREFETCH_MAX_CALL = 16 * 1024
 PREFETCH_MAX_BYTES = 64 * 1024
@@ -103,7 +106,7 @@ class Pool:
         self.grace = grace
         self.label = label
         self._name = f"aiopar-process-{next(_pool_ids)}"  # of its threads
-        self._mean_run_ns = PREFETCH_BUDGET_NS  # recent task run time (moving average)
+        self._mean_run_ns: int | None = None  # recent task run time (moving average)
         self._worker_index = itertools.count()
         self._generation = 0  # of the manager thread in charge
         self._fresh_state()
@@ -153,10 +156,15 @@ class Pool:
             return [worker.inflight[0].name for worker in self._workers if worker.inflight]
 
     def prefetch_depth(self) -> int:
-        """How many jobs beyond the running one a worker may hold now."""
+        """How many jobs beyond the running one a worker may hold now: by
+        default about a millisecond of work at the tasks' recent pace, and
+        none until a task has finished or while tasks take 50 ms or more."""
         if self.prefetch is not None:
             return self.prefetch
-        return max(1, min(PREFETCH_MAX_TASKS, PREFETCH_BUDGET_NS // (self._mean_run_ns + 1)))
+        mean = self._mean_run_ns
+        if mean is None or mean >= PREFETCH_LONG_NS:
+            return 0
+        return max(1, min(PREFETCH_MAX_TASKS, PREFETCH_BUDGET_NS // (mean + 1)))
 
     # -- submitting ----------------------------------------------------------
 
@@ -597,7 +605,9 @@ class Pool:
                 else:
                     self._retire(worker)
             self._dispatch()
-        self._mean_run_ns += (frame.t1 - frame.t0 - self._mean_run_ns) // 8
+        run = frame.t1 - frame.t0
+        mean = self._mean_run_ns
+        self._mean_run_ns = run if mean is None else mean + (run - mean) // 8
         if self._renew and self._deadline is not None:
             self._deadline = time.monotonic() + self.grace  # type: ignore[operator]
         record = job.record

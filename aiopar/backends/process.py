@@ -144,11 +144,17 @@ class ProcessBackend(Backend):
 
     ``max_workers`` defaults to the number of cores. ``prefetch`` is how many
     queued tasks beyond the running one a worker may hold, so it goes from
-    one task to the next without a round trip to this process; a prefetched
-    task can no longer be cancelled and waits for the tasks before it on
-    that worker. By default it adapts: about a millisecond of work at the
-    tasks' recent pace (between 1 and 16 tasks). Only small calls (under
-    16 KiB pickled, no shared-memory arrays) are prefetched.
+    one task to the next without a round trip to this process. A task sent
+    ahead counts as started, as a call in ProcessPoolExecutor's call queue
+    does: it can no longer be cancelled (by ``cancel_pending``,
+    ``cancel_futures`` or a Ctrl-C either), and waits for the tasks before
+    it on that worker. No task goes ahead while a worker is idle or
+    starting, or while the pool has fewer workers than it may have, so
+    tasks forked at once run on as many workers. By default it adapts:
+    about a millisecond of work at the tasks' recent pace (between 1 and 16
+    tasks), and none until a task has finished or while tasks take 50 ms
+    or more on average. Only small calls (under 16 KiB pickled, no
+    shared-memory arrays) are prefetched.
 
     ``initializer(*initargs)`` runs in each worker before its first task, as
     in :class:`concurrent.futures.ProcessPoolExecutor`; ``initargs`` may hold
