@@ -13,7 +13,9 @@ import logging
 import logging.handlers
 import multiprocessing
 import os
+import pickle
 import queue
+import sys
 import threading
 from concurrent.futures.process import BrokenProcessPool
 from concurrent.futures.thread import BrokenThreadPool
@@ -58,6 +60,11 @@ def put_item(shared: dict[str, int], key: str) -> int:
 
 def die() -> None:
     os._exit(3)
+
+
+class ExitsWhenUnpickled:
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return sys.exit, (1,)
 
 
 # -- threads ---------------------------------------------------------------
@@ -105,9 +112,9 @@ def test_an_executor_with_worker_options_has_a_pool_of_its_own_that_shutdown_sto
 
 
 def test_options_a_backend_lacks_are_refused_naming_them():
-    with pytest.raises(TypeError, match="'thread' backend does not take it.*max_tasks_per_child"):
+    with pytest.raises(TypeError, match=r"'thread' backend does not take it.*max_tasks_per_child"):
         aiopar.Executor("thread", max_tasks_per_child=3)
-    with pytest.raises(TypeError, match="'process' backend does not take it.*thread_name_prefix"):
+    with pytest.raises(TypeError, match=r"'process' backend does not take it.*thread_name_prefix"):
         aiopar.Executor("process", thread_name_prefix="x")
     with pytest.raises(TypeError, match=r"initializer=...\): initializer go with a backend name"):
         aiopar.Executor(aiopar.get_backend("thread"), initializer=print)
@@ -163,7 +170,7 @@ def test_initargs_carry_multiprocessing_locks_and_queues_to_the_workers():
 )
 def test_initargs_that_cannot_reach_a_worker_are_refused_at_once(initargs):
     # They failed every task of the pool, in its manager thread, instead.
-    with pytest.raises(TypeError, match="cannot send the initializer .* to a worker process"):
+    with pytest.raises(TypeError, match=r"cannot send the initializer .* to a worker process"):
         aiopar.Executor("process", 1, initializer=print, initargs=initargs)
 
 
@@ -185,6 +192,14 @@ def test_a_dead_worker_is_a_broken_process_pool_and_an_aiopar_error():
         assert executor.submit(pow, 2, 3).result(LIMIT) == 8  # a new worker replaced it
 
 
+def test_an_argument_that_exits_as_it_is_unpickled_fails_its_call_and_never_exits_the_caller():
+    # The SystemExit raised in the worker was raised again by result().
+    with aiopar.Executor("process", 1) as executor:
+        with pytest.raises(pickle.UnpicklingError, match="unpickling the task raised SystemExit"):
+            executor.submit(id, ExitsWhenUnpickled()).result(LIMIT)
+        assert executor.submit(pow, 2, 3).result(LIMIT) == 8
+
+
 def test_max_tasks_per_child_replaces_a_worker_after_that_many_calls():
     with aiopar.Executor("process", 1, max_tasks_per_child=2) as executor:
         pids = [executor.submit(os.getpid).result(LIMIT) for _ in range(4)]
@@ -198,9 +213,9 @@ def test_max_tasks_per_child_replaces_a_worker_after_that_many_calls():
     ("backend", "scheduler"), [("thread", "threads"), ("process", "processes")]
 )
 def test_dask_takes_an_executor_as_its_pool(backend, scheduler):
-    dask = pytest.importorskip("dask")
-    import dask.bag
+    bag = pytest.importorskip("dask.bag")
+    import dask
 
     with aiopar.Executor(backend, 2) as executor, dask.config.set(pool=executor):
-        total = dask.bag.from_sequence(range(10), npartitions=4).map(abs).sum()
+        total = bag.from_sequence(range(10), npartitions=4).map(abs).sum()
         assert total.compute(scheduler=scheduler) == 45

@@ -150,16 +150,26 @@ def _users_traceback(exc: BaseException) -> TracebackType | None:
     return tb
 
 
+_UNPICKLING_NOTE = (
+    "(aiopar: raised while unpickling the task in a worker process; the worker "
+    "must be able to import every module that the function and its arguments "
+    "come from, and its sys.path is the parent's as of the fork)"
+)
+
+
 def _load(frame: wire.Frame) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The task's call, unpickled. What unpickling raises fails the task;
+    a SystemExit or KeyboardInterrupt from a pickle's code becomes an
+    UnpicklingError, so data never exits the parent that reads the error."""
     try:
         return load_call(frame.loads())
-    except BaseException as exc:
-        exc.add_note(
-            "(aiopar: raised while unpickling the task in a worker process; the worker "
-            "must be able to import every module that the function and its arguments "
-            "come from, and its sys.path is the parent's as of the fork)"
-        )
+    except Exception as exc:
+        exc.add_note(_UNPICKLING_NOTE)
         raise
+    except BaseException as exc:
+        error = pickle.UnpicklingError(f"unpickling the task raised {exc!r}")
+        error.add_note(_UNPICKLING_NOTE)
+        raise error from exc
 
 
 def _call(frame: wire.Frame, pool: SegmentPool) -> Packed:
