@@ -177,19 +177,22 @@ async def _start(
             name, 0 if rank is None else rank, world_size, options, secret, parts
         )
     else:
-        hosted = None
         store = None
         if rank is not None:
             store = await asyncio.to_thread(agent_store, address, options.rpc_timeout)
+        hosted = held = None
         if store is not None:  # torchrun started this job, and holds the rendezvous
             hosted, address = await meet(
                 store, rank, address, options.security, options.rpc_timeout
             )
-            parts.cluster = hosted
         elif rank == 0 and endpoint(address) is not None:
-            hosted = parts.cluster = await _rendezvous.host(address, options.security)
+            hosted = await _rendezvous.host(address, options.security)
+            held = hosted is None  # by a scheduler of the user's, or it says what
+        parts.cluster = hosted
         if hosted is not None:
             address, security = hosted.scheduler_address, hosted.security
+        elif held:
+            address, security = await _rendezvous.join_held(address, options.security)
         else:
             address, security = await _rendezvous.join(
                 address, options.security, options.rpc_timeout

@@ -30,7 +30,7 @@ from . import _credentials
 from ._cluster import cluster_security, scheduler_spec
 from ._reach import RETRY, TLS_ADVICE, accepts, check_scheduler
 
-__all__ = ["RendezvousScheduler", "endpoint", "host", "join"]
+__all__ = ["HELD_TIMEOUT", "RendezvousScheduler", "endpoint", "host", "join", "join_held"]
 
 RENDEZVOUS_TLS_ADVICE = (
     f"{TLS_ADVICE}; or security=False to every rank, for no TLS (the scheduler that rank 0 "
@@ -140,6 +140,26 @@ async def join(
         address, found, left, role="worker", **advice
     )  # a peer is a worker
     return reached, found
+
+
+HELD_TIMEOUT = 5.0  # seconds a dask scheduler already at rank 0's rendezvous has to answer
+
+
+async def join_held(address: str, security: Security | bool | None) -> tuple[str, Security | None]:
+    """For rank 0, which found the ``tcp://`` ``address`` held: :func:`join`
+    the dask scheduler there (one the user started, which answers at
+    once), or raise OSError within :data:`HELD_TIMEOUT` seconds naming the
+    port and what holds it, where other ranks would wait their timeout."""
+    try:
+        return await join(address, security, HELD_TIMEOUT)
+    except OSError as exc:
+        raise OSError(
+            f"rank 0 cannot start the rendezvous at {address}: something holds that port, "
+            f"and it is no dask scheduler that this process can join ({exc}); a server that "
+            f"accepts and stays silent may be a torch TCPStore (torch.distributed's "
+            f"init_process_group on the same MASTER_PORT). MASTER_PORT (or the port) must be "
+            f"free on rank 0's machine"
+        ) from exc
 
 
 async def _certificates_of_rank_0(

@@ -287,7 +287,10 @@ CRASHING = """
     rank, how = int(sys.argv[1]), sys.argv[2]
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
     if rank != 0:
-        rpc.rpc_sync("worker0", here)
+        try:
+            rpc.rpc_sync("worker0", here)
+        except RuntimeError:  # rank 0 crashed before it replied
+            pass
     else:  # hosts the rendezvous's scheduler, and crashes once the others are in
         assert READY.wait(60)
         if how == "raise":
@@ -377,3 +380,27 @@ def test_a_rank_waiting_in_init_rpc_fails_at_once_when_rank_0_dies(tmp_path):
     assert out.startswith("ConnectionError init_rpc: the scheduler at"), err
     assert "rank 0" in out and "crashed" in out, out
     assert spent < 15, spent
+
+
+def test_rank_0_says_at_once_what_holds_the_port_when_it_is_no_dask_scheduler():
+    # A silent server on MASTER_PORT (torch's TCPStore is one) kept rank 0 waiting 60 s.
+    script = """
+        import os, socket, time
+        from aiopar import rpc
+
+        silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(silent.getsockname()[1]))
+        start = time.monotonic()
+        try:
+            rpc.init_rpc("worker0", rank=0, world_size=2)
+        except OSError as exc:
+            print(time.monotonic() - start)
+            print(exc)
+    """
+    from dask_helpers import run_python
+
+    done = run_python(script, timeout=60)
+    spent, message = done.stdout.split("\n", 1)
+    assert float(spent) < 15, done.stdout + done.stderr
+    assert "rank 0 cannot start the rendezvous at tcp://127.0.0.1:" in message, message
+    assert "something holds that port" in message and "TCPStore" in message, message
