@@ -199,7 +199,8 @@ def _pack_setup(initializer: object, initargs: tuple[Any, ...], *, share: bool) 
     """The pickle of ``(initializer, initargs)``; unless ``share``, the file
     descriptors in it are not offered to any process (a trial)."""
     buffer = io.BytesIO()
-    context.set_spawning_popen(_SpawningWorker(share))
+    # multiprocessing asks a spawning popen only for what _SpawningWorker has.
+    context.set_spawning_popen(_SpawningWorker(share))  # type: ignore[arg-type]
     try:
         _SetupPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump((initializer, tuple(initargs)))
     finally:
@@ -207,7 +208,7 @@ def _pack_setup(initializer: object, initargs: tuple[Any, ...], *, share: bool) 
     return buffer.getvalue()
 
 
-class _SetupPickler(cloudpickle.Pickler):
+class _SetupPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
     """cloudpickle, with the reducers multiprocessing registers for its own
     pickler (of pipes, queues, locks), which plain pickling lacks."""
 
