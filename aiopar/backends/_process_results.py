@@ -20,11 +20,10 @@ __all__ = ["QUICK_PICKLE", "Unpicklers", "calls_no_code"]
 
 #: the largest pickle the manager thread loads itself
 QUICK_PICKLE = 4096
-# Bytes that stand for the opcodes through which a pickle reaches code
-# (protocol 5 names a global with STACK_GLOBAL, or through the extension
-# registry: EXT1, EXT2, EXT4). Any of them may also be part of some data,
-# which then only takes the longer way.
-_CODE_OPCODES = (b"\x93", b"\x82", b"\x83", b"\x84")
+# A pickle reaches code through a global, which protocol 5 names with
+# STACK_GLOBAL (0x93) or through the extension registry (EXT1, EXT2, EXT4:
+# 0x82 to 0x84). These bytes may also be part of some data, which then only
+# takes the longer way.
 # How long a thread with nothing to do waits for more before it exits.
 IDLE_EXIT = 5.0
 
@@ -37,7 +36,9 @@ def calls_no_code(payload: bytes | bytearray | memoryview) -> bool:
     if len(payload) > QUICK_PICKLE:
         return False
     data = bytes(payload) if isinstance(payload, memoryview) else payload
-    return not any(opcode in data for opcode in _CODE_OPCODES)
+    return (
+        b"\x93" not in data and b"\x82" not in data and b"\x83" not in data and b"\x84" not in data
+    )
 
 
 class Unpicklers:
