@@ -328,6 +328,8 @@ RUNS_UNTIL_KILLED = """
 
     backend = aiopar.get_backend({backend!r}, **{options!r})
     fut = backend.fork(forever)
+    while not fut.running():  # on a worker: a wait would run it itself before
+        time.sleep(0.01)
     {then}
 """
 BACKENDS = {"thread": {}, "process": {"max_workers": 1, "grace": 3600}}
