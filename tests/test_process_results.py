@@ -9,7 +9,7 @@ import pickle
 import process_helpers
 import pytest
 from helpers import eventually
-from process_helpers import FileGate, add, slow_to_load
+from process_helpers import FileGate, add, run_script, slow_to_load
 
 from aiopar.backends._process_results import calls_no_code
 
@@ -43,3 +43,25 @@ def test_a_result_slow_to_unpickle_holds_up_only_its_own_future(own_pool, tmp_pa
 )
 def test_the_manager_unpickles_only_small_plain_data_itself(value, quick):
     assert calls_no_code(pickle.dumps(value, protocol=5)) is quick
+
+
+def test_a_done_callback_on_an_unpickler_thread_may_shut_the_backend_down(tmp_path):
+    # As one on the manager thread may: shutdown(wait=True) there cannot
+    # wait for the manager, which waits for that callback's thread.
+    done = run_script(
+        tmp_path,
+        """
+        import threading
+        from aiopar.backends.process import ProcessBackend
+
+        backend = ProcessBackend(1)
+        future = backend.fork(range, 3)  # unpickled off the manager thread
+        returned = threading.Event()
+        future.add_done_callback(lambda f: (backend.shutdown(wait=True), returned.set()))
+        assert returned.wait(timeout=30), "shutdown in the callback did not return"
+        backend.shutdown()
+        print("shut down", list(future.wait(timeout=30)))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "shut down [0, 1, 2]\n"

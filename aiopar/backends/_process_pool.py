@@ -743,7 +743,13 @@ class Pool:
             self._wake()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the manager to finish; False if ``timeout`` passed first."""
+        """Wait for the manager to finish; False if ``timeout`` passed first.
+
+        In a thread the manager waits for (its own, or an unpickler's: a
+        done-callback runs there) this returns at once.
+        """
+        if self._results.serving():
+            return True
         end = None if timeout is None else time.monotonic() + timeout
         manager = self._manager
         # A blocked callback may hand the manager's job to a new thread.

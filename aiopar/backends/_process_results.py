@@ -64,6 +64,10 @@ class Unpicklers:
         """Whether work is in progress."""
         return self._count > 0
 
+    def serving(self) -> bool:
+        """Whether the calling thread is one of these."""
+        return threading.current_thread() in self._threads
+
     def run(self, work: Work) -> None:
         """Run ``work`` on an idle thread, or on a new one if none is idle."""
         with self._lock:
