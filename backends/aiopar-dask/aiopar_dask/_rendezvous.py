@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -37,6 +38,14 @@ RENDEZVOUS_TLS_ADVICE = (
     f"starts at a tcp:// rendezvous makes its certificates as it starts, and only the ranks "
     f"of rank 0's machine can read them)"
 )
+
+
+def from_environment(address: str) -> bool:
+    """Whether ``address`` is torch's ``env://`` rendezvous,
+    ``tcp://MASTER_ADDR:MASTER_PORT`` of this process's environment."""
+    where = endpoint(address)
+    master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return where is not None and (where[0], str(where[1])) == master
 
 
 def endpoint(address: str) -> tuple[str, int] | None:
@@ -113,13 +122,18 @@ def _cannot_start(address: str, why: BaseException) -> OSError:
 
 
 async def join(
-    address: str, security: Security | bool | None, timeout: float
+    address: str, security: Security | bool | None, timeout: float, *, closed: bool = True
 ) -> tuple[str, Security | None]:
     """The scheduler at ``address`` to join, as dask reaches it (see
     ``check_scheduler``: ``tls://`` for a TLS scheduler at a ``tcp://``
     address), and the security to join it with: ``security`` itself, none
     for False, and for None, at a ``tcp://`` address, the certificates
     rank 0 left for the ranks of this machine, if it did.
+
+    Closed by default (unless ``closed`` is False): at ``env://``'s
+    rendezvous with the default security (None), a scheduler without TLS
+    is no scheduler of this job's rank 0, which starts its own with TLS:
+    OSError names the port and what holds it.
 
     Waits up to ``timeout`` seconds (0 or more than a lock can wait: no
     limit) while nothing listens there. Raises TimeoutError if nothing
@@ -139,7 +153,20 @@ async def join(
     reached = await check_scheduler(
         address, found, left, role="worker", **advice
     )  # a peer is a worker
+    if closed and security is None and reached.startswith("tcp://") and from_environment(address):
+        raise OSError(_not_this_jobs(address, "a dask scheduler without TLS"))
     return reached, found
+
+
+def _not_this_jobs(address: str, what: str) -> str:
+    return (
+        f"{what} holds the rendezvous at {address} (MASTER_ADDR:MASTER_PORT), and this "
+        f"job's rank 0 did not start it (with default security, the scheduler rank 0 "
+        f"starts there takes TLS): a rank never joins a scheduler its job did not start, "
+        f"as torch's rendezvous fails with 'address in use'. Give MASTER_PORT a port free "
+        f"on rank 0's machine; to join a scheduler of your own on purpose, give every rank "
+        f"its address as init_method, or security=False (or your distributed.Security)"
+    )
 
 
 HELD_TIMEOUT = 5.0  # seconds a dask scheduler already at rank 0's rendezvous has to answer
@@ -149,9 +176,11 @@ async def join_held(address: str, security: Security | bool | None) -> tuple[str
     """For rank 0, which found the ``tcp://`` ``address`` held: :func:`join`
     the dask scheduler there (one the user started, which answers at
     once), or raise OSError within :data:`HELD_TIMEOUT` seconds naming the
-    port and what holds it, where other ranks would wait their timeout."""
+    port and what holds it, where other ranks would wait their timeout.
+    Closed by default: at ``env://``'s rendezvous with the default
+    security (None), rank 0 joins no scheduler at all there (OSError)."""
     try:
-        return await join(address, security, HELD_TIMEOUT)
+        reached, found = await join(address, security, HELD_TIMEOUT, closed=False)
     except OSError as exc:
         raise OSError(
             f"rank 0 cannot start the rendezvous at {address}: something holds that port, "
@@ -160,6 +189,9 @@ async def join_held(address: str, security: Security | bool | None) -> tuple[str
             f"init_process_group on the same MASTER_PORT). MASTER_PORT (or the port) must be "
             f"free on rank 0's machine"
         ) from exc
+    if security is None and from_environment(address):
+        raise OSError(_not_this_jobs(address, f"a dask scheduler ({reached})"))
+    return reached, found
 
 
 async def _certificates_of_rank_0(

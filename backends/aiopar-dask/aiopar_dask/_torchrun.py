@@ -22,7 +22,7 @@ from distributed import Security
 from distributed.comm.addressing import unparse_host_port
 
 from . import _rendezvous
-from ._rendezvous import RendezvousScheduler, endpoint
+from ._rendezvous import RendezvousScheduler, endpoint, from_environment
 
 __all__ = ["agent_store", "meet"]
 
@@ -35,12 +35,10 @@ def agent_store(address: str, timeout: float) -> Any | None:
     serves its store at ``address`` (``tcp://MASTER_ADDR:MASTER_PORT``, as
     ``env://`` reads it); else None. Its keys are this attempt's: a job
     that torchrun restarts meets anew."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not from_environment(address):
         return None
     where = endpoint(address)
-    master = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if where is None or (where[0], str(where[1])) != master:
-        return None
+    assert where is not None
     from torch.distributed import PrefixStore, TCPStore
 
     seconds = timeout if 0 < timeout <= threading.TIMEOUT_MAX else 10 * 365 * 86400

@@ -404,3 +404,26 @@ def test_rank_0_says_at_once_what_holds_the_port_when_it_is_no_dask_scheduler():
     assert float(spent) < 15, done.stdout + done.stderr
     assert "rank 0 cannot start the rendezvous at tcp://127.0.0.1:" in message, message
     assert "something holds that port" in message and "TCPStore" in message, message
+
+
+def test_no_rank_joins_a_scheduler_its_rank_0_did_not_start_at_master_port(
+    scheduler, monkeypatch, leaves_nothing_behind
+):
+    # A stranger's plain scheduler on MASTER_PORT got every rank: it listed
+    # them, read the job's secret and ran code in them.
+    import distributed
+
+    host, port = scheduler.removeprefix("tcp://").rsplit(":", 1)
+    monkeypatch.setenv("MASTER_ADDR", host)
+    monkeypatch.setenv("MASTER_PORT", port)
+    for rank in (0, 1):
+        with pytest.raises(OSError, match="did not start it") as raised:
+            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+        assert f"tcp://{host}:{port}" in str(raised.value)
+        assert "dask scheduler" in str(raised.value)
+    with distributed.Client(scheduler, timeout=30) as stranger:
+        assert stranger.scheduler_info()["workers"] == {}
+    # Joining it on purpose: the user says so.
+    options = rpc.RpcBackendOptions(security=False)
+    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+    rpc.shutdown()
