@@ -170,8 +170,8 @@ class DaskRpcAgent(RpcAgent):
         every ``_RELOOK`` seconds."""
         found = self._lookup(to)
         if found is None and self._scheduler_gone is None:
-            gone = self._lookup(to, self._departed) is not None
-            if not gone or time.monotonic() - self._looked_up >= _RELOOK:
+            known_gone = self._lookup(to, self._departed) is not None
+            if not known_gone or time.monotonic() - self._looked_up >= _RELOOK:
                 self._run(self.refresh_peers())
                 found = self._lookup(to)
         if found is None:

@@ -181,7 +181,7 @@ async def _start(
         if rank is not None:
             store = await asyncio.to_thread(agent_store, address, options.rpc_timeout)
         hosted = held = None
-        if store is not None:  # torchrun started this job, and holds the rendezvous
+        if store is not None and rank is not None:  # torchrun started this job, and holds it
             hosted, address = await meet(
                 store, rank, address, options.security, options.rpc_timeout
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib
 import os
 import socket
 import threading
@@ -39,12 +40,11 @@ def agent_store(address: str, timeout: float) -> Any | None:
         return None
     where = endpoint(address)
     assert where is not None
-    from torch.distributed import PrefixStore, TCPStore
-
+    dist: Any = importlib.import_module("torch.distributed")  # (no dependency of this plugin)
     seconds = timeout if 0 < timeout <= threading.TIMEOUT_MAX else 10 * 365 * 86400
-    store = TCPStore(*where, is_master=False, timeout=datetime.timedelta(seconds=seconds))
+    store = dist.TCPStore(*where, is_master=False, timeout=datetime.timedelta(seconds=seconds))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"/aiopar-rpc/attempt_{attempt}", store)
+    return dist.PrefixStore(f"/aiopar-rpc/attempt_{attempt}", store)
 
 
 async def meet(
