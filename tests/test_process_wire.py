@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -89,3 +90,48 @@ def test_a_segment_shorter_than_its_message_is_refused_not_mapped():
         map_segment(fd, 8192, [8192], lambda: None)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed all the same
+
+
+def _header(kind=wire.RESULT, nbufs=0, msg_id=1, plen=0):
+    return wire._HEADER.pack(kind, 0, nbufs, 0, msg_id, 0, 0, plen, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (_header(kind=200), "a header that is not one"),
+        (_header()[:13] + b"\1" + _header()[14:], "a header that is not one"),  # padding
+        (_header(plen=2**62), "announcing 4611686018427387904 bytes"),
+        (_header(nbufs=2**31), "and 2147483648 ids"),
+    ],
+)
+def test_what_is_not_a_header_is_refused_before_anything_is_allocated(channels, data, words):
+    sender, receiver, _ = channels
+    sender.sock.sendall(data)
+    with pytest.raises(wire.BadFrame, match=words):
+        receiver.recv()
+
+
+def test_a_header_announcing_more_than_comes_costs_no_more_memory_than_what_came(channels):
+    sender, receiver, _ = channels
+    sender.sock.sendall(_header(plen=512 << 20) + b"x" * 1000)
+    sender.sock.close()
+    tracemalloc.start()
+    try:
+        with pytest.raises(EOFError):
+            receiver.recv()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 << 20
+
+
+def test_a_payload_bigger_than_what_is_allocated_up_front_arrives_whole(channels, monkeypatch):
+    sender, receiver, segments = channels
+    monkeypatch.setattr(wire, "_UPFRONT", 1 << 20)
+    monkeypatch.setattr(pickling, "LARGE_PICKLE", 1 << 40)  # every pickle on the socket
+    value = os.urandom(5 << 20)
+    thread = _send_in_a_thread(sender, [(wire.RESULT, 1, pickling.pack(value, segments))])
+    frame = receiver.recv()
+    thread.join()
+    assert frame.loads() == value

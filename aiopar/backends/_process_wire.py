@@ -57,6 +57,8 @@ _KINDS = frozenset(range(TASK, SKIP + 1))
 # allocated: no frame carries more ids than this, nor a payload bigger than
 # this machine's memory.
 _MAX_IDS = 1 << 20
+# The most a header makes the receiver allocate before the bytes arrive.
+_UPFRONT = 64 << 20
 try:
     _MAX_PAYLOAD = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 except (AttributeError, ValueError, OSError):
@@ -200,8 +202,9 @@ class Channel:
         start = _HEADER.size + 8 * (nbufs + nrel)
         end = start + plen
         # Small frames come through the chunk (a read may take several);
-        # a big one is read straight into a buffer of its own size, so a
-        # frame costs time in proportion to its size.
+        # a big one is read straight into a buffer of its own size (up to
+        # _UPFRONT, then grown as it arrives), so a frame costs time in
+        # proportion to its size.
         while len(buf) < start or len(buf) < end <= len(buf) + len(self._chunk):
             self._fill()
         ids = array("Q")
@@ -212,12 +215,12 @@ class Channel:
                 payload = bytes(view[start:end])
                 have = plen
             else:
-                payload = bytearray(plen)
+                big = bytearray(min(plen, _UPFRONT))
                 have = len(buf) - start
-                payload[:have] = view[start:]
+                big[:have] = view[start:]
         del buf[: start + have]
         if have < plen:
-            self._recv_into(memoryview(payload)[have:])
+            payload = self._recv_payload(big, have, plen)
         for released_id in ids[nbufs:]:
             self._on_released(released_id)
         buffers: list[memoryview] = []
@@ -246,6 +249,18 @@ class Channel:
         """Read what is there (up to a chunk) onto the end of the buffer."""
         nbytes = self._recvmsg(self._chunk_view)
         self._buf += self._chunk_view[:nbytes]
+
+    def _recv_payload(self, payload: bytearray, have: int, size: int) -> bytearray:
+        """Read the rest of a payload of ``size`` bytes into ``payload``,
+        which holds ``have`` of them. It grows, at most doubling, only as
+        bytes arrive: a header that announces more than comes costs no more
+        memory than what came."""
+        while True:
+            self._recv_into(memoryview(payload)[have:])
+            have = len(payload)
+            if have >= size:
+                return payload
+            payload += bytes(min(size - have, have))
 
     def _recv_into(self, view: memoryview) -> None:
         """Fill ``view`` from the socket."""
