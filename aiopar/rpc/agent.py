@@ -364,8 +364,9 @@ def run_callee(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         if is_future != is_async_execution(fn):
             if is_future:
                 # torch fails such a call at once too: a Future is no value to send
+                kind = "an aiopar.Future" if isinstance(result, Future) else "a torch future"
                 raise TypeError(
-                    f"{_name(fn)} returned a Future ({_type_name(result)}): decorate it with "
+                    f"{_name(fn)} returned {kind}: decorate it with "
                     f"@rpc.functions.async_execution for its caller to get the Future's "
                     f"value once it is done, or return the value itself"
                 )

@@ -54,7 +54,7 @@ def test_an_async_execution_function_may_return_a_torch_future():
     reply = run_callee(replies_with_a_torch_future, (1,), {})
     assert isinstance(reply, aiopar.Future)
     assert reply.wait(timeout=10) == 2
-    with pytest.raises(TypeError, match=r"returned a Future \(torch\."):
+    with pytest.raises(TypeError, match=r"returned a torch future: decorate it"):
         run_callee(returns_a_torch_future_undecorated, (), {})
     with pytest.raises(
         TypeError, match=r"must return an aiopar\.Future, but it returned int \(a torch"
