@@ -67,10 +67,13 @@ class DaskBackend(Backend):
     its scheduler or reach its workers; ``security`` (a
     :class:`distributed.Security`) gives it your certificates instead, and
     ``security=False`` no TLS. With ``address``, ``security`` is the TLS of
-    the connection to that scheduler (none by default).
+    the connection to that scheduler (none by default), which a
+    ``tcp://`` address reaches over TLS when the scheduler there takes it.
 
     Guarantees: every fork is a new task (``pure=False``: two forks of one
-    function with the same arguments both run); the future settles with the
+    function with the same arguments both run), named after its function,
+    whose arguments reach it as given (dask does not compute a dask
+    ``Task`` or future among them); the future settles with the
     task's value, or its exception with its type and the worker's traceback
     (a task whose workers kept dying raises :class:`aiopar.BrokenWorkerError`;
     a function or argument that does not pickle, TypeError);
