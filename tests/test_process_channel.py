@@ -23,8 +23,11 @@ import aiopar
 from aiopar import BrokenWorkerError
 from aiopar.backends import _process_wire as wire
 from aiopar.backends._process_pickle import Packed
+from aiopar.backends import _process_pool
 from aiopar.backends.process import ProcessBackend
 from process_helpers import meet
+
+_process_pool.STALL_TIMEOUT = 1.0
 
 
 def scribble(what):
@@ -34,6 +37,9 @@ def scribble(what):
     elif what == "huge header":
         header = wire._HEADER.pack(wire.RESULT, 0, 0, 0, 1, 0, 0, 2**62, 0, 0)
         os.write(channel.fileno(), header)
+    elif what == "cut short":
+        header = wire._HEADER.pack(wire.RESULT, 0, 0, 0, 1, 0, 0, 100, 0, 0)
+        os.write(channel.fileno(), header + bytes(10))
     else:
         os.write(channel.fileno(), os.urandom(200))
     time.sleep(60)  # the parent kills this worker long before
@@ -74,6 +80,7 @@ print("carried on")
         ("unknown job", "a frame of kind 2 about job 1000000000, where it runs job"),
         ("huge header", "announcing 4611686018427387904 bytes"),
         ("random bytes", "a header"),
+        ("cut short", "a frame cut short: nothing more of it came for 1.0 s"),
     ],
 )
 def test_a_worker_whose_socket_carries_what_it_does_not_owe_is_broken(tmp_path, what, words):

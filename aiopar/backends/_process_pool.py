@@ -69,6 +69,10 @@ STOP_TIMEOUT = 10.0
 # How long a terminated worker has to exit before it is killed.
 KILL_AFTER = 1.0
 
+# How long the manager waits for the rest of a frame a worker began to send
+# before it holds the worker broken (a sound worker sends a frame at once).
+STALL_TIMEOUT = 30.0
+
 # A future and its outcome, (result, exception), or None to cancel it.
 Settle = tuple[Future[Any], "tuple[Any, BaseException | None] | None"]
 
@@ -876,6 +880,7 @@ class PoolWorker(Worker):
         super().__init__(*args, **kwargs)
         self.handed = 0
         self.broken: str | None = None
+        self.channel.stall_timeout = STALL_TIMEOUT  # the manager reads it
 
 
 class _Watch:

@@ -25,7 +25,7 @@ QUICK_PICKLE = 4096
 # 0x82 to 0x84). These bytes may also be part of some data, which then only
 # takes the longer way.
 # How long a thread with nothing to do waits for more before it exits.
-IDLE_EXIT = 5.0
+IDLE_EXIT = 1.0
 
 Work = Callable[[], None]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import socket
 import struct
 from array import array
@@ -124,6 +125,10 @@ class Channel:
         # mmap and page faults.
         self._chunk = bytearray(64 * 1024)
         self._chunk_view = memoryview(self._chunk)
+        #: None: a read waits as long as it takes. Seconds: a frame that
+        #: stops coming for that long half way raises BadFrame (a receiver
+        #: that serves others must not wait for ever on one peer).
+        self.stall_timeout: float | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -269,7 +274,10 @@ class Channel:
             view = view[nbytes:]
 
     def _recvmsg(self, view: memoryview) -> int:
-        nbytes, ancdata, flags, _ = self.sock.recvmsg_into([view], _ANC_SIZE)
+        if self.stall_timeout is None or not self.sock.getblocking():
+            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([view], _ANC_SIZE)
+        else:
+            nbytes, ancdata, flags = self._recvmsg_or_stall(view, self.stall_timeout)
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array("i")
@@ -280,6 +288,20 @@ class Channel:
         if not nbytes:
             raise EOFError("the peer closed its end of the socket")
         return nbytes
+
+    def _recvmsg_or_stall(self, view: memoryview, timeout: float) -> tuple[int, Any, int]:
+        """As recvmsg_into, for at most ``timeout`` seconds without a byte."""
+        while True:
+            try:
+                nbytes, ancdata, flags, _ = self.sock.recvmsg_into(
+                    [view], _ANC_SIZE, socket.MSG_DONTWAIT
+                )
+                return nbytes, ancdata, flags
+            except BlockingIOError:
+                if not select.select([self.sock], [], [], timeout)[0]:
+                    raise BadFrame(
+                        f"a frame cut short: nothing more of it came for {timeout} s"
+                    ) from None
 
     def close(self) -> None:
         """Close the socket and every descriptor received but not yet mapped."""
