@@ -146,7 +146,7 @@ def test_a_failing_initializer_fails_the_calls_with_a_broken_process_pool_and_lo
     executor = aiopar.Executor(
         "process", 2, mp_context=context, initializer=init_fail, initargs=(log_queue,)
     )
-    with pytest.raises(BrokenProcessPool):
+    with pytest.raises(BrokenProcessPool, match="as a worker does whose initializer raised"):
         executor.submit(status).result(LIMIT)
     record = log_queue.get(timeout=LIMIT)
     assert "ValueError: error in initializer" in record.getMessage() + str(record.exc_text)

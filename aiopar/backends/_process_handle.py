@@ -245,7 +245,8 @@ def _pidfd_open(pid: int) -> int | None:
 
 
 def describe_exit(returncode: int) -> str:
-    """How a worker exited, in words (with the usual cause of a signal)."""
+    """How a worker exited, in words (with the usual cause of a signal, or
+    of the code a failing initializer exits with)."""
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -256,4 +257,6 @@ def describe_exit(returncode: int) -> str:
             "SIGSEGV": " (a segmentation fault, usually in a C extension)",
         }.get(name, "")
         return f"it was killed by {name}{hint}"
+    if returncode == INITIALIZER_FAILED:
+        return f"it exited with code {returncode}, as a worker does whose initializer raised"
     return f"it exited with code {returncode}"
