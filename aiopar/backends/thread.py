@@ -10,12 +10,16 @@ unrelated ones. A worker that waits first runs the queued tasks it forked
 itself, newest first (see :meth:`_Worker.run_own_forks`).
 
 Workers start lazily, up to ``max_workers``. A worker that blocks in
-``wait`` is counted out of the pool while it waits, and a compensating
-worker starts if work is queued, so nested fork/wait never starves the pool;
-surplus workers retire once the blocked ones come back. At most
-``COMPENSATION_LIMIT`` workers are added that way: past it, queued tasks wait
-for a worker to come back, as in a fixed-size pool. Each task counts against
-the intra-op thread budget (``aiopar._budget``) through its thread's slot.
+``wait`` is counted out of the pool while it waits, and so is one that
+blocks anywhere else (a sleep, a socket, a lock), which the pool's stall
+watcher finds by its thread's CPU clock (:mod:`aiopar.backends._stall`); a
+compensating worker starts if work is queued, so neither nested fork/wait
+nor blocking calls starve the pool, while workers that compute are never
+more than ``max_workers``. Surplus workers retire once the blocked ones come
+back, or after ``idle_retire`` seconds idle. At most ``COMPENSATION_LIMIT``
+workers are added that way: past it, queued tasks wait for a worker to come
+back, as in a fixed-size pool. Each task counts against the intra-op thread
+budget (``aiopar._budget``) through its thread's slot.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import os
 import threading
 import weakref
 from asyncio import _get_running_loop
+from collections.abc import Callable
+from concurrent.futures.thread import BrokenThreadPool
 from contextvars import Context
 from threading import get_ident
 from typing import Any, ClassVar
@@ -36,11 +42,13 @@ from .. import _budget, _budget_slots, _interrupt
 from .._budget_slots import Occupancy, Slot, probe, use_slot
 from .._future import Future
 from .._waiter import set_waiter
+from . import _stall
 from ._base import Backend, Task, check_count
+from ._stall import OUTSIDE, WAITING, blocking_keys, presumed
 
 __all__ = ["COMPENSATION_LIMIT", "PoolTask", "ThreadBackend"]
 
-#: workers a pool may add beyond ``max_workers`` while others are blocked in ``wait``
+#: workers a pool may add beyond ``max_workers`` while others are blocked
 COMPENSATION_LIMIT = 64
 
 _backend_ids = itertools.count(1)
@@ -129,7 +137,7 @@ class _Worker:
     """One worker thread: its deque of forks, the lock it sleeps on while
     idle, its standing in the budget, and what it runs."""
 
-    __slots__ = ("context", "forks", "pool", "slot", "task", "thread", "wake_up")
+    __slots__ = ("context", "forks", "held", "pool", "slot", "task", "thread", "wake_up")
 
     def __init__(self, pool: ThreadBackend) -> None:
         self.pool = pool
@@ -137,6 +145,9 @@ class _Worker:
         self.forks: collections.deque[PoolTask] = collections.deque()
         self.slot = Slot(is_worker=True)
         self.task: PoolTask | None = None  # the task it runs now, for exit reports
+        # Why the pool counts it out, if it does: WAITING in aiopar's wait,
+        # or blocked OUTSIDE aiopar (see _stall). Changed under the pool's lock.
+        self.held: str | None = None
         self.context = Context()
         # Held while it runs; it sleeps on it while idle, released by the
         # thread that wakes it. One lock per worker wakes exactly one.
@@ -145,7 +156,7 @@ class _Worker:
         self.thread = threading.Thread(
             target=pool._work,
             args=(self,),
-            name=f"{pool._thread_names}-{next(pool._thread_ids)}",
+            name=f"{pool._thread_name_prefix}{next(pool._thread_ids)}",
             daemon=True,
         )
 
@@ -171,14 +182,14 @@ class _Worker:
         probe()
         if self.slot.counted:
             self.slot.blocked()
-        self.pool._worker_blocked()
+        self.pool._worker_blocked(self)
 
     def blocked_long(self) -> None:
         if self.slot.is_blocked:
             self.slot.blocked_long()
 
     def resumed(self) -> None:
-        self.pool._worker_resumed()
+        self.pool._worker_resumed(self)
         if self.slot.is_blocked:  # it counted when it blocked
             self.slot.resumed()
 
@@ -188,6 +199,14 @@ class ThreadBackend(Backend):
 
     ``max_workers`` defaults to :func:`aiopar.get_num_interop_threads` and
     follows it when it changes; a number given here is kept for this pool.
+    It bounds the workers that compute: workers blocked in ``wait`` or
+    outside aiopar are compensated, up to ``COMPENSATION_LIMIT`` more.
+
+    As :class:`concurrent.futures.ThreadPoolExecutor`'s: workers are named
+    ``f"{thread_name_prefix}_{n}"`` if a prefix is given, and each worker
+    calls ``initializer(*initargs)`` before its first task; if that raises,
+    the pool is broken: its queued tasks and every later fork fail with
+    :class:`concurrent.futures.thread.BrokenThreadPool`.
     """
 
     name = "thread"
@@ -195,12 +214,34 @@ class ThreadBackend(Backend):
     #: whether a thread outside the pools counts beside its forks while it
     #: does not wait (rule 3 of ``aiopar._budget``)
     forker_counts: ClassVar[bool] = True
+    #: seconds after which an idle worker beyond ``max_workers`` retires
+    idle_retire: float = 10.0
 
-    def __init__(self, max_workers: int | None = None) -> None:
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        *,
+        thread_name_prefix: str | None = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: tuple[Any, ...] = (),
+    ) -> None:
         check_count(max_workers, "max_workers", none="the default")
+        if initializer is not None and not callable(initializer):
+            raise TypeError(
+                f"initializer must be a callable or None, got {type(initializer).__name__}"
+            )
+        if thread_name_prefix is not None and not isinstance(thread_name_prefix, str):
+            raise TypeError(
+                f"thread_name_prefix must be a str or None, got {type(thread_name_prefix).__name__}"
+            )
         super().__init__()
         self._max_workers = max_workers
         self._thread_names = f"aiopar-{self.name}-{next(_backend_ids)}"
+        self._thread_name_prefix = (
+            f"{self._thread_names}-" if thread_name_prefix is None else f"{thread_name_prefix}_"
+        )
+        self._initializer = initializer
+        self._initargs = tuple(initargs)
         self._reset()
         _live_pools.add(self)
         probe()  # the budget listens from the first fork if BLAS is loaded already
@@ -228,6 +269,8 @@ class ThreadBackend(Backend):
         # (rule 3 of aiopar._budget), by thread id: they stop once no worker is busy.
         self._sharers: dict[int, Slot] = {}
         self._thread_ids = itertools.count()  # names stay unique as workers come and go
+        self._watcher: _stall.StallWatcher | None = None  # started with the first worker
+        self._broken: str | None = None  # why, once a worker's initializer failed
 
     @property
     def max_workers(self) -> int:
@@ -268,7 +311,7 @@ class ThreadBackend(Backend):
         with self._lock:
             # A task of this pool may fork on it while it drains after shutdown.
             if self._closed and queue is self._tasks:
-                raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+                self._refuse_fork()
             woken = (
                 # _wake_worker's own test, first: a busy pool's forks skip the call.
                 (self._idle or len(self._workers) - self._blocked < limit)
@@ -291,8 +334,13 @@ class ThreadBackend(Backend):
                     queue.remove(task)
                 except ValueError:
                     return  # a worker took it already: it runs
-                raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
+                self._refuse_fork()
             self._wake_for_queued(self._forked_outside(by_outsider))
+
+    def _refuse_fork(self) -> None:
+        if self._broken is not None:
+            raise self._broken_error()
+        raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
 
     @staticmethod
     def _forked_outside(by_outsider: bool) -> bool:
@@ -341,6 +389,9 @@ class ThreadBackend(Backend):
             )
             if sharer is not None:
                 self._sharers[get_ident()] = sharer
+        watcher = self._watcher
+        if watcher is not None and watcher.parked:
+            watcher.wake()
         if asleep:
             worker.wake_up.release()
             self._waking += 1
@@ -353,6 +404,9 @@ class ThreadBackend(Backend):
             if not self._workers:
                 raise
             return None  # the workers there are will take the task
+        if watcher is None and _stall.SUPPORTED:
+            self._watcher = _stall.StallWatcher(self)
+            self._watcher.start()
         return worker
 
     def _runs_own_fork(self, occupancy: Occupancy, woken: _Worker | None, ident: int) -> None:
@@ -384,7 +438,8 @@ class ThreadBackend(Backend):
         set_waiter(worker)
         probe()
         try:
-            self._run_tasks(worker)
+            if self._initializer is None or self._initialize():
+                self._run_tasks(worker)
         finally:
             with self._lock:
                 worker.end_spell()
@@ -401,6 +456,36 @@ class ThreadBackend(Backend):
                     self._remove(worker)
                     if self._backlog():
                         self._wake_worker()
+
+    def _initialize(self) -> bool:
+        """Call the initializer in this new worker; True if it returned. If it
+        raised, the pool is broken: its queued tasks fail and it takes no
+        more forks, as concurrent.futures' pools do."""
+        try:
+            self._initializer(*self._initargs)  # type: ignore[misc]
+        except BaseException as exc:
+            self._break(f"a worker's initializer {self._initializer!r} raised {exc!r}")
+            return False
+        return True
+
+    def _break(self, reason: str) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = reason
+            self._closed = True
+            queued = [task for queue in (self._tasks, *self._queues) for task in queue]
+            for queue in (self._tasks, *self._queues):
+                queue.clear()
+        for task in queued:
+            future = task.claim()
+            if future is not None:
+                task.settle(future, (None, self._broken_error()))
+                del future  # a failure's traceback holds this frame: no cycle (see Future)
+
+    def _broken_error(self) -> BrokenThreadPool:
+        return BrokenThreadPool(
+            f"{self!r} is broken: {self._broken}; create a new pool (and fix the initializer)"
+        )
 
     def _run_tasks(self, worker: _Worker) -> None:
         slot, forks, shared = worker.slot, worker.forks, self._tasks
@@ -460,19 +545,40 @@ class ThreadBackend(Backend):
                 if self._tasks or any(self._queues):
                     with self._lock:
                         self._wake_for_queued()
-                worker.wake_up.acquire()  # released by the fork that has work for it
+                # Released by the fork that has work for it.
+                while not worker.wake_up.acquire(timeout=self.idle_retire):
+                    if self._retire_idle(worker):
+                        return
                 with self._lock:
                     self._waking -= 1
                 continue
             worker.task = task
+            if blocking_keys and presumed(task.fn):
+                self._stall(worker, task)  # it blocked last time: counted out from the start
             task.run_on_worker(worker)
             worker.task = None
+            # Counted out as blocked outside aiopar (a wait has resumed by
+            # now): it is back. The watcher sets ``held`` before it looks at
+            # ``task`` again, this worker clears ``task`` before it looks at
+            # ``held``, so one of the two sees the other (see _stall).
+            if worker.held is not None:
+                self._unstall(worker)
             del task  # the worker keeps no reference while it waits for the next
 
     def _retire(self, worker: _Worker) -> bool:
-        """Stop this worker if the pool has more than its limit; True if so."""
+        """Stop this worker if the pool has more than its limit; True if so.
+        Only for queued work, which the pool's other workers are enough
+        for, and not while the next queued task is a call that blocked last
+        time: that task will be counted out as it starts, so this worker may
+        take it instead of a new one starting. Without queued work, it goes
+        idle and retires after ``idle_retire`` seconds if nothing wakes it."""
         with self._lock:
             if len(self._workers) - self._blocked <= self.max_workers or worker.forks:
+                return False
+            # Nothing queued: it goes idle, and retires if it stays so. A call
+            # that blocked last time next: it is counted out as it starts.
+            tasks = self._tasks
+            if not self._backlog() or (tasks and blocking_keys and presumed(tasks[0].fn)):
                 return False
             self._remove(worker)
             if self._backlog():
@@ -480,17 +586,57 @@ class ThreadBackend(Backend):
             worker.end_spell()
         return True
 
-    # A blocked worker is counted out of the pool, so queued work gets a
-    # worker of its own (a compensating one, if none is idle).
-    def _worker_blocked(self) -> None:
+    def _retire_idle(self, worker: _Worker) -> bool:
+        """Stop this worker, idle for ``idle_retire`` seconds, if the pool has
+        more workers than ``max_workers`` and nothing has woken it; True if so."""
         with self._lock:
-            self._blocked += 1
-            if self._backlog():
-                self._wake_worker()
+            if worker not in self._idle or len(self._workers) <= self.max_workers:
+                return False
+            self._idle.remove(worker)
+            self._remove(worker)
+        return True
 
-    def _worker_resumed(self) -> None:
+    # A blocked worker is counted out of the pool, so queued work gets a
+    # worker of its own (a compensating one, if none is idle): one blocked
+    # in aiopar's wait tells the pool itself, one blocked outside aiopar is
+    # found by the stall watcher, or presumed so as it starts a call that
+    # blocked before. Either way it is counted out once.
+    def _worker_blocked(self, worker: _Worker) -> None:
         with self._lock:
+            if worker.held is None:
+                self._count_out()
+            worker.held = WAITING
+
+    def _worker_resumed(self, worker: _Worker) -> None:
+        with self._lock:
+            worker.held = None
             self._blocked -= 1
+
+    def _stall(self, worker: _Worker, task: PoolTask) -> bool:
+        """Count ``worker`` out as blocked outside aiopar, if it still runs
+        ``task`` and is not counted out already; True if it was."""
+        with self._lock:
+            if worker.task is not task or worker.held is not None:
+                return False
+            worker.held = OUTSIDE
+            if worker.task is not task:  # it finished meanwhile, and may not have seen ``held``
+                worker.held = None
+                return False
+            self._count_out()
+        return True
+
+    def _unstall(self, worker: _Worker) -> None:
+        """Count ``worker``, found blocked outside aiopar, in again."""
+        with self._lock:
+            if worker.held is OUTSIDE:
+                worker.held = None
+                self._blocked -= 1
+
+    def _count_out(self) -> None:
+        # Called with self._lock held.
+        self._blocked += 1
+        if self._backlog():
+            self._wake_worker()
 
     def _is_quiet(self) -> bool:
         # Called with self._lock held: nothing queued, every worker asleep.
@@ -535,6 +681,10 @@ class ThreadBackend(Backend):
                 self._idle.popleft().wake_up.release()  # to stop: it counts for nothing
                 self._waking += 1
             threads = [worker.thread for worker in self._workers]
+            watcher = self._watcher
+            if watcher is not None:
+                watcher.stop()
+                threads.append(watcher.thread)
         _cancel(queued)
         if wait:
             me = threading.current_thread()
