@@ -33,8 +33,8 @@ class Executor(concurrent.futures.Executor):
 
     ``backend`` is a backend's name, with ``max_workers`` as
     ``aiopar.get_backend(name, max_workers=...)`` takes it, or a
-    :class:`Backend`. Either way the backend is shared, as aiopar's backends
-    are, by every Executor and fork on it: shutting an Executor down retires
+    :class:`Backend`. Such a backend is shared, as aiopar's backends are,
+    by every Executor and fork on it: shutting an Executor down retires
     the Executor, never its backend, whose workers aiopar stops at
     interpreter exit (or whoever calls ``backend.shutdown()``).
 
@@ -45,9 +45,11 @@ class Executor(concurrent.futures.Executor):
     ``initargs`` on "thread"; ``mp_context``, ``initializer``, ``initargs``
     and ``max_tasks_per_child`` on "process". Each worker calls
     ``initializer(*initargs)`` before its first call; if that raises, the
-    pool is broken: pending and later calls fail with a
-    :class:`~concurrent.futures.BrokenExecutor` (``BrokenThreadPool``,
-    ``BrokenProcessPool``). Process workers always start as fresh
+    calls fail with a :class:`~concurrent.futures.BrokenExecutor`: a thread
+    pool is broken, and its pending and later calls fail with
+    ``BrokenThreadPool``; a process worker logs the error and exits, and
+    once three in a row have, the calls fail with ``BrokenProcessPool``.
+    Process workers always start as fresh
     interpreters, as the "spawn" start method does; an ``mp_context`` of
     "fork" starts them so too (they do not inherit this process's memory).
     A backend that lacks an option raises TypeError naming it.
