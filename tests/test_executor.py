@@ -173,7 +173,7 @@ def test_max_workers_must_be_a_whole_number_of_at_least_one(bad):
 def test_max_workers_goes_with_a_name_not_a_backend_or_one_without_workers(pool):
     with pytest.raises(TypeError, match="with a backend name"):
         aiopar.Executor(pool, max_workers=2)
-    with pytest.raises(TypeError, match="the 'inline' backend does not take it.*'max_workers'"):
+    with pytest.raises(TypeError, match=r"the 'inline' backend does not take it.*'max_workers'"):
         aiopar.Executor("inline", max_workers=2)
     with pytest.raises(TypeError, match="takes a backend name or an aiopar Backend, got int"):
         aiopar.Executor(3)  # type: ignore[arg-type]

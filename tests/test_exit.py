@@ -304,7 +304,8 @@ def test_tasks_queued_at_exit_may_still_use_a_thread_pool_executor():
         timeout=30,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [f"task {i} {i}" for i in range(3)], done.stderr
+    # In any order: a task blocked in its sleep gets a stand-in that runs the next.
+    assert sorted(done.stdout.splitlines()) == [f"task {i} {i}" for i in range(3)], done.stderr
 
 
 def read_stderr_until(proc, text: str) -> str:

@@ -31,6 +31,7 @@ import threading
 import weakref
 from asyncio import _get_running_loop
 from collections.abc import Callable
+from concurrent.futures._base import LOGGER as cf_logger
 from concurrent.futures.thread import BrokenThreadPool
 from contextvars import Context
 from threading import get_ident
@@ -131,6 +132,14 @@ class PoolTask(Task):
                 slot.task_ended()
         self.settle(future, outcome)
         del future, outcome  # a failure's traceback holds this frame: no cycle (see Future)
+
+
+class _InitializedPoolTask(PoolTask):
+    """A task of a pool whose workers run an initializer: only they may run
+    it, never a thread that waits for it."""
+
+    __slots__ = ()
+    stealable = False
 
 
 class _Worker:
@@ -242,6 +251,8 @@ class ThreadBackend(Backend):
         )
         self._initializer = initializer
         self._initargs = tuple(initargs)
+        if initializer is not None:
+            self.task_class = _InitializedPoolTask
         self._reset()
         _live_pools.add(self)
         probe()  # the budget listens from the first fork if BLAS is loaded already
@@ -464,6 +475,8 @@ class ThreadBackend(Backend):
         try:
             self._initializer(*self._initargs)  # type: ignore[misc]
         except BaseException as exc:
+            # Where concurrent.futures' pools report it, for those who listen there.
+            cf_logger.critical("Exception in initializer:", exc_info=True)
             self._break(f"a worker's initializer {self._initializer!r} raised {exc!r}")
             return False
         return True
