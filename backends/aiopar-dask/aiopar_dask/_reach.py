@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 RETRY = 0.1  # seconds between tries of a refused connection
+SILENT = 10.0  # seconds a server that accepted a connection has to answer, TLS or dask
 
 
 TLS_ADVICE = (
@@ -62,7 +63,9 @@ async def check_scheduler(
 
     Raises OSError naming ``address`` and what was found there: nothing
     (the connection is refused, or the host name does not resolve), a server
-    that accepts and stays silent (TimeoutError), an HTTP server, another
+    that accepts and stays silent for :data:`SILENT` seconds (TimeoutError,
+    however long ``timeout``: a scheduler answers at once, a torch
+    ``TCPStore`` never does), an HTTP server, another
     dask server, a scheduler that takes TLS when this process has no
     certificates, or none when ``security`` requires encryption (each
     message names TLS and ends with ``tls_advice``), or something else
@@ -85,7 +88,8 @@ async def check_scheduler(
             tls = await wait_for_listener(*endpoint, deadline, context)
         except TimeoutError:
             raise TimeoutError(
-                f"no dask scheduler at {address}: connecting to it took more than {timeout:g} s"
+                f"no dask scheduler at {address}: connecting to it took more than "
+                f"{min(timeout, SILENT):g} s{_SILENT_HINT if context else ''}"
             ) from None
         except socket.gaierror as exc:
             raise OSError(
@@ -110,9 +114,11 @@ async def check_scheduler(
             f"scheduler with TLS, or give a Security without require_encryption"
         )
     # Keep a moment to ask what answers, if it is no dask scheduler.
-    spare = min(1.0, timeout / 5) if endpoint is not None else 0.0
+    start = time.monotonic()
+    answer_by = min(deadline, start + SILENT)
+    spare = min(1.0, (answer_by - start) / 5) if endpoint is not None else 0.0
     try:
-        async with asyncio.timeout(deadline - spare - time.monotonic()):
+        async with asyncio.timeout(answer_by - spare - start):
             comm = await connect(address, timeout=timeout, **connection_args)
             try:
                 await comm.write({"op": "identity", "reply": True})
@@ -121,11 +127,11 @@ async def check_scheduler(
                 comm.abort()
     except Exception as exc:  # silent, or its reply is no dask frame (dask may ask exabytes)
         if endpoint is not None:
-            await _explain(address, scheme, *endpoint, deadline, tls_advice)
+            await _explain(address, scheme, *endpoint, answer_by, tls_advice)
         if isinstance(exc, TimeoutError):
             raise TimeoutError(
                 f"no dask scheduler at {address}: the server there accepted a connection "
-                f"and did not answer within {timeout:g} s"
+                f"and did not answer within {min(timeout, SILENT):g} s{_SILENT_HINT}"
             ) from None
         raise OSError(
             f"no dask scheduler at {address}: what answers there does not speak dask's "
@@ -135,6 +141,11 @@ async def check_scheduler(
     if not str(kind).endswith("Scheduler"):  # (aiopar's own are TlsSchedulers)
         raise OSError(f"no dask scheduler at {address}: a dask {kind} answers there")
     return address
+
+
+_SILENT_HINT = (
+    " (a torch TCPStore is silent so: torchrun's, or init_process_group's on the same port)"
+)
 
 
 async def _explain(
@@ -191,8 +202,9 @@ async def accepts(
     TLS handshake, so that a TLS server is not left with a connection that
     never spoke TLS (dask logs a warning for each). A TLS handshake that
     fails tells that something listens: True. Raises TimeoutError past
-    ``deadline``, and ``socket.gaierror`` for a host name that does not
-    resolve."""
+    ``deadline``, or after :data:`SILENT` seconds (a server that accepts
+    and never answers the handshake), and ``socket.gaierror`` for a host
+    name that does not resolve."""
     return await _listener(host, port, deadline, context) is not None
 
 
@@ -203,7 +215,7 @@ async def _listener(
     whether it spoke TLS (with ``context``: the handshake ended, or broke
     off over certificates or with a TLS alert, all of which only a TLS
     server sends)."""
-    left = None if deadline is None else max(deadline - time.monotonic(), 0)
+    left = SILENT if deadline is None else min(max(deadline - time.monotonic(), 0), SILENT)
     try:
         async with asyncio.timeout(left):
             _, writer = await asyncio.open_connection(host, port, ssl=context)

@@ -427,3 +427,22 @@ def test_no_rank_joins_a_scheduler_its_rank_0_did_not_start_at_master_port(
     options = rpc.RpcBackendOptions(security=False)
     rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
     rpc.shutdown()
+
+
+def test_a_rank_says_soon_that_a_silent_server_holds_the_rendezvous(
+    monkeypatch, leaves_nothing_behind
+):
+    # torchrun's TCPStore (or any server that accepts and stays silent) on
+    # MASTER_PORT kept every rank waiting its whole rpc_timeout, 60 s.
+    from aiopar_dask._reach import SILENT
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    port = silent.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    with silent, pytest.raises(TimeoutError, match="did not answer") as raised:
+        rpc.init_rpc("worker1", rank=1, world_size=2)  # rpc_timeout: 60 s
+    assert time.monotonic() - start < SILENT + 10
+    assert f"127.0.0.1:{port}" in str(raised.value)
+    assert "TCPStore" in str(raised.value)
