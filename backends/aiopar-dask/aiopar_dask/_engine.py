@@ -187,7 +187,7 @@ async def _start(
             )
         elif rank == 0 and endpoint(address) is not None:
             hosted = await _rendezvous.host(address, options.security)
-            held = hosted is None  # by a scheduler of the user's, or it says what
+            held = hosted is None  # something holds the port: join_held says what, or joins
         parts.cluster = hosted
         if hosted is not None:
             address, security = hosted.scheduler_address, hosted.security
