@@ -23,9 +23,12 @@ Then the micro-case, in this process: 100 concurrent 50 ms ``time.sleep``
 calls gathered on one asyncio loop, the three contenders alternating,
 median wall and CPU seconds (every thread of the process) of the rounds.
 
-Both tables print in markdown, as docs/async.md shows them.
+Both tables print in markdown, as docs/async.md shows them. With
+``--baseline DIR`` (a checkout of an earlier commit, say from ``git worktree
+add DIR COMMIT``), a fourth server, "aiopar before", serves the app with
+that checkout's aiopar, alternating with the others in the same run.
 
-    python benchmarks/async_app.py [--quick] [--seconds 2] [--rounds 2]
+    python benchmarks/async_app.py [--quick] [--seconds 2] [--rounds 2] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ from starlette.routing import Route
 if TYPE_CHECKING:  # the servers never load the client's library
     import aiohttp
 
-CONTENDERS = ("aiopar", "anyio", "run_in_executor")
+CONTENDERS: tuple[str, ...] = ("aiopar", "anyio", "run_in_executor")
+#: the contender served with an earlier checkout's aiopar (--baseline)
+BASELINE = "aiopar before"
 #: the environment variable that tells a server which contender it is
 CONTENDER_VARIABLE = "AIOPAR_ASYNC_APP_CONTENDER"
 SLEEP = 0.05  # seconds of the blocking call
@@ -86,7 +91,7 @@ WORKS: dict[str, tuple[str, Callable[[], None]]] = {
 def offloader(contender: str) -> Callable[[Callable[[], None]], Awaitable[None]]:
     """How ``contender`` runs a call off the event loop. Each imports only
     its own library, so no server carries another's threads or settings."""
-    if contender == "aiopar":
+    if contender in ("aiopar", BASELINE):
         import aiopar
 
         return aiopar.fork
@@ -126,7 +131,7 @@ def free_port() -> int:
 class Server:
     """uvicorn serving ``app`` for one contender, in a process of its own."""
 
-    def __init__(self, contender: str) -> None:
+    def __init__(self, contender: str, pythonpath: str | None = None) -> None:
         import psutil
 
         self.contender = contender
@@ -150,7 +155,11 @@ class Server:
             ],
             # Here, so -m puts this directory first on sys.path, not the caller's.
             cwd=Path(__file__).resolve().parent,
-            env={**os.environ, CONTENDER_VARIABLE: contender},
+            env={
+                **os.environ,
+                CONTENDER_VARIABLE: contender,
+                **({"PYTHONPATH": pythonpath} if pythonpath else {}),
+            },
             start_new_session=True,
         )
         self.ps = psutil.Process(self.process.pid)
@@ -294,11 +303,12 @@ async def gather_sleeps(contender: str, calls: int) -> None:
 async def micro_case(calls: int, rounds: int) -> dict[str, tuple[float, float]]:
     """Median wall and CPU seconds of each contender, alternating on one
     loop (anyio's threads and the default executor belong to the loop)."""
-    times: dict[str, list[tuple[float, float]]] = {contender: [] for contender in CONTENDERS}
-    for contender in CONTENDERS:  # warm-up: threads started
+    here = [contender for contender in CONTENDERS if contender != BASELINE]
+    times: dict[str, list[tuple[float, float]]] = {contender: [] for contender in here}
+    for contender in here:  # warm-up: threads started
         await gather_sleeps(contender, calls)
     for _ in range(rounds):
-        for contender in CONTENDERS:
+        for contender in here:
             wall, cpu = time.perf_counter(), time.process_time()
             await gather_sleeps(contender, calls)
             times[contender].append((time.perf_counter() - wall, time.process_time() - cpu))
@@ -363,12 +373,21 @@ def main(argv: list[str] | None = None) -> None:
         "--concurrency", type=int, nargs="+", default=[10, 100, 400], help="clients at once"
     )
     parser.add_argument("--calls", type=int, default=100, help="sleeps of the micro-case")
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="also serve with the aiopar of this checkout"
+    )
     args = parser.parse_args(argv)
+    global CONTENDERS
+    if args.baseline:
+        CONTENDERS = ("aiopar", BASELINE, "anyio", "run_in_executor")
     if args.quick:
         args.seconds, args.rounds, args.concurrency = 0.2, 1, [10, 50]
 
     started = time.perf_counter()
-    servers = [Server(contender) for contender in CONTENDERS]
+    servers = [
+        Server(contender, args.baseline if contender == BASELINE else None)
+        for contender in CONTENDERS
+    ]
     try:
         for server in servers:
             server.wait_until_serving()
