@@ -127,7 +127,7 @@ class Pool:
         self._idle: list[PoolWorker] = []
         self._starting = 0  # workers started and not ready yet
         self._start_failures = 0
-        self._results = Unpicklers(self._name, self._wake)  # see _on_outcome
+        self._results = Unpicklers(self._name, self._wake_if_closed)  # see _on_outcome
         self._manager: threading.Thread | None = None
         self._dispatch_asked = False  # the manager has been woken to send what is queued
         self._unsure: tuple[PoolWorker, Job] | None = None  # see _send_now
@@ -361,6 +361,12 @@ class Pool:
             if self._wake_w >= 0:
                 with contextlib.suppress(BlockingIOError):
                     os.write(self._wake_w, b"\0")
+
+    def _wake_if_closed(self) -> None:
+        # The manager waits for the unpicklers only to stop: it reads
+        # ``closed`` before their work count, and they the other way round.
+        if self.closed:
+            self._wake()
 
     def _start_manager(self) -> None:
         # Called with the lock held.
