@@ -23,8 +23,11 @@ Guarantees:
   worker on the thread backend.
 - A worker that dies (killed, segfault, ``os._exit``) fails only the task it
   was running, with :class:`~aiopar.BrokenWorkerError`; the tasks queued
-  behind it run on a replacement. A worker exits at once when this process
-  dies, however it dies (SIGKILL included) and whatever it is doing.
+  behind it run on a replacement. A worker whose socket carries anything
+  but the frames it owes (a task that wrote to it, a frame cut short) is
+  killed and counts as dead; its tasks fail with the error saying what it
+  sent. A worker exits at once when this process dies, however it dies
+  (SIGKILL included) and whatever it is doing.
 - Shutdown is bounded for tasks that never return (see ``grace``).
 - After ``os.fork()`` (or a multiprocessing "fork" Process) the child starts
   with an empty pool of its own; the futures of tasks pending at the fork
@@ -35,11 +38,14 @@ Guarantees:
 - ``cancel()`` succeeds until the task is sent to a worker (see
   ``prefetch``). A waiting thread never runs a process task itself
   (``stealable`` is false): it blocks until a worker has run it.
-- Done-callbacks of process futures run in the backend's manager thread;
-  one that blocks (waiting on another process task, say) hands the
-  manager's job to a new thread, so it cannot stall the pool, and any
-  exception one raises (``SystemExit`` and ``KeyboardInterrupt`` included)
-  is logged and harms nothing else.
+- Done-callbacks of process futures run in the backend's manager thread,
+  or in the thread that unpickled the result when that may run code
+  (anything but a small value of plain data): a result slow to unpickle
+  holds up its own future only. One that blocks in the manager thread
+  (waiting on another process task, say) hands the manager's job to a new
+  thread, so it cannot stall the pool, and any exception one raises
+  (``SystemExit`` and ``KeyboardInterrupt`` included) is logged and harms
+  nothing else.
 
 Workers are started with ``subprocess`` (``python -c``, the parent's
 ``sys.path``), so the parent's ``__main__`` is never re-imported. Each talks
