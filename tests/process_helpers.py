@@ -245,7 +245,7 @@ def die_on(x, doomed):
     return x
 
 
-def meet(directory: str, count: int, timeout: float = 20.0):
+def meet(directory: str, count: int, timeout: float = 60.0):
     """Say this task started (a file named after the worker's pid and the
     time), then wait until ``count`` tasks have; return (the pid, whether
     they all did within ``timeout``)."""
