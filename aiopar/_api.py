@@ -9,16 +9,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
 
 import anyio
 
 from . import _loop, _waiter
-from ._blocking import check_timeout, help_first
+from ._blocking import check_timeout
 from ._config import current_backend
-from ._future import _WAITING, FailureWatch, Future, copy_outcome
+from ._future import (
+    Future,
+    add_callback,
+    block_until_done,
+    copy_outcome,
+    failed,
+    first_failed,
+    retrieve,
+    settle,
+    until_done,
+    values,
+)
 from ._interop import describe_type, has_future_protocol, not_a_future_message
 from .backends import _exit
 
@@ -37,9 +47,6 @@ __all__ = [
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-# The cancelled states, read without a call as _WAITING is (see aiopar._future).
-_CANCELLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 
 
 @overload
@@ -119,70 +126,16 @@ def wait_all(futs: Iterable[Future[T]]) -> list[T]:
     """
     futures = _future_list(futs, "wait_all()")
     del futs
-    failed = _first_failed(futures)
-    if failed is not None:
-        failure = futures[failed]
+    index = first_failed(futures)
+    if index is not None:
+        failure = futures[index]
         # A failure's traceback holds this frame: it keeps no future (see Future).
         futures.clear()
         try:
             failure.value()  # raises: it failed or was cancelled
         finally:
             del failure
-    # value()'s common case inline: a batch of forks pays no call per value.
-    return [fut._result for fut in futures]
-
-
-def _first_failed(futures: list[Future[Any]]) -> int | None:
-    """Wait until all of ``futures`` are done, or one has failed or been
-    cancelled; return the index of the first of those in list order, or None.
-
-    The last task not done may run here, so its failure's traceback holds
-    this frame: it lets go of the failed future before it returns."""
-    # Watched from before the first look, so that a failure is either seen
-    # by that look or heard by the watch: when neither happens, the futures
-    # need no second look once they are all done.
-    with FailureWatch(futures) as watch:
-        index = _index_of_failed(futures)
-        if index is not None:
-            return index
-        pending = [fut for fut in futures if fut._state in _WAITING]
-        if not pending:
-            return None
-        if len(pending) == 1:
-            pending[0]._block(None)  # runs its task here if it has not started
-        else:
-            _wait_unless_one_fails(pending, watch)
-        pending.clear()
-        if not watch.failed:
-            return None
-    return _index_of_failed(futures)
-
-
-def _wait_unless_one_fails(pending: list[Future[Any]], watch: FailureWatch) -> None:
-    """Block until all of ``pending`` are done or ``watch`` hears that one
-    of its futures failed or was cancelled, running none of their tasks
-    here (a task this thread ran could not be stopped when another failed),
-    except that a pool's worker first runs its own queued forks, as before
-    any wait."""
-    # Newest first: forks run in about the order they were made, so the
-    # thread blocks about once, not once per future.
-    for fut in reversed(pending):
-        if fut._state in _WAITING:
-            help_first(fut, None, None)  # a pool's worker runs its queued forks first
-            if fut._state in _WAITING and not watch.failed:
-                fut._sleep(None, fut._task, watch)
-        if watch.failed:
-            return
-
-
-def _index_of_failed(futures: list[Future[Any]]) -> int | None:
-    """The index of the first of ``futures`` that failed or was cancelled, or None."""
-    for index, fut in enumerate(futures):
-        # A success, the common case, costs two identity tests.
-        if fut._exception is not None or (fut._state is not FINISHED and fut._state in _CANCELLED):
-            del fut  # no cycle: see _first_failed
-            return index
-    return None
+    return values(futures)
 
 
 def _when_all(futures: list[Future[Any]], value: T) -> Future[T]:
@@ -197,12 +150,12 @@ def _when_all(futures: list[Future[Any]], value: T) -> Future[T]:
             remaining -= 1
             last = remaining == 0
         if last:
-            outcome._settle(value, None)
+            settle(outcome, value, None)
 
     if not futures:
-        outcome._settle(value, None)
+        settle(outcome, value, None)
     for fut in futures:
-        fut._add_callback(one_done)
+        add_callback(fut, one_done)
     return outcome
 
 
@@ -226,7 +179,7 @@ class _AsCompleted(Iterator[Future[T]], AsyncIterator[Future[T]]):
             self._finished.append(fut)
             signal, self._signal = self._signal, None
         if signal is not None:
-            signal._settle(None, None)
+            settle(signal, None, None)
 
     def _next_or_signal(self) -> tuple[Future[T] | None, Future[None]]:
         if self._remaining == 0:
@@ -256,7 +209,7 @@ class _AsCompleted(Iterator[Future[T]], AsyncIterator[Future[T]]):
             fut, signal = self._next_or_signal()
             if fut is not None:
                 return fut
-            if not signal._block(self._time_left()):
+            if not block_until_done(signal, self._time_left()):
                 raise self._timed_out()
 
     def __aiter__(self) -> _AsCompleted[T]:
@@ -271,7 +224,7 @@ class _AsCompleted(Iterator[Future[T]], AsyncIterator[Future[T]]):
             if fut is not None:
                 return fut
             with anyio.move_on_after(self._time_left()):
-                await signal._until_done()
+                await until_done(signal)
             if not signal.done():
                 raise self._timed_out()
 
@@ -331,9 +284,9 @@ def wrap(obj: Any) -> Future[Any]:
 def _copy_waited(source: Any, target: Future[Any]) -> None:
     """Settle ``target`` as ``source``, a done torch future, was settled."""
     try:
-        target._settle(source.wait(), None)
+        settle(target, source.wait(), None)
     except BaseException as error:
-        target._settle(None, error)
+        settle(target, None, error)
         del source, target  # the error's traceback holds this frame: no cycle (see Future)
 
 
@@ -389,10 +342,10 @@ def _drain_into(drained: Future[None]) -> None:
             for backend in list(_exit._live_backends):
                 busy = backend.drain() or busy
     except BaseException as exc:
-        drained._settle(None, exc)
+        settle(drained, None, exc)
         del drained  # the exception's traceback holds this frame: no cycle (see Future)
     else:
-        drained._settle(None, None)
+        settle(drained, None, None)
 
 
 class TaskGroup:
@@ -428,7 +381,7 @@ class TaskGroup:
         return fut
 
     def _on_done(self, fut: Future[Any]) -> None:
-        if not fut.cancelled() and fut._exception is not None:
+        if failed(fut):
             self._cancel_pending()
 
     def _cancel_pending(self) -> None:
@@ -449,7 +402,7 @@ class TaskGroup:
         if exc is not None:
             self._cancel_pending()
         for fut in self._futures:
-            fut._block(None)
+            block_until_done(fut, None)
             # The thread that settled a failure runs this too, but only after
             # it has woken this one, which would otherwise run the next
             # unstarted task itself meanwhile.
@@ -469,7 +422,7 @@ class TaskGroup:
             self._cancel_pending()
         try:
             for fut in self._futures:
-                await fut._until_done()
+                await until_done(fut)
         except BaseException:
             self._cancel_pending()
             raise
@@ -480,7 +433,7 @@ class TaskGroup:
         failures = [
             error
             for fut in self._futures
-            if not fut.cancelled() and (error := fut._retrieve()) is not None
+            if not fut.cancelled() and (error := retrieve(fut)) is not None
         ]
         if not failures:
             return False  # the block's own exception, if any, propagates

@@ -158,14 +158,17 @@ def running_async_library() -> str | None:
     return _sniffio_thread.name  # trio sets it while its loop runs here
 
 
-def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]:
-    """Suspend the running coroutine until ``fut`` is done.
+def wait_on_loop(
+    subscribe: Callable[[Callable[[Any], object]], None], give_up: Callable[[], object]
+) -> Generator[Any, None, None]:
+    """Suspend the running coroutine until what it waits for is done:
+    ``subscribe(callback)`` has ``callback`` called once it is, in any thread.
 
-    If the coroutine is cancelled meanwhile and ``cancel`` is true, ``fut`` is
-    cancelled too, which succeeds only if its task has not started. Either
-    way ``fut`` is abandoned: if it fails and nobody reads the failure, that
-    is logged at DEBUG only, as ``asyncio.to_thread`` says nothing of the
-    failure of a call whose caller was cancelled.
+    If the coroutine is cancelled meanwhile, ``give_up()`` is called: for a
+    future, a cancel (which stops its task if it has not started) or an
+    abandon, so that a failure nobody reads is logged at DEBUG only, as
+    ``asyncio.to_thread`` says nothing of the failure of a call whose caller
+    was cancelled.
     """
     loop = _get_running_loop()
     if loop is not None:
@@ -176,21 +179,21 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
                 waiter.set_result(None)
 
         bridge = asyncio_bridge(loop)
-        fut._add_callback(lambda _: bridge.post(wake))
+        subscribe(lambda _: bridge.post(wake))
         owner = _waiter.get_waiter()
         if owner is not None:
             bridge.awaiting(owner)
         try:
             yield from waiter
         except asyncio.CancelledError:
-            _give_up(fut, cancel)
+            give_up()
             raise
         finally:
             if owner is not None:
                 bridge.awaited(owner)
         return
     if running_async_library() == "trio":
-        yield from _wait_on_trio(fut, cancel).__await__()
+        yield from _wait_on_trio(subscribe, give_up).__await__()
         return
     raise RuntimeError(
         "awaiting an aiopar Future needs a running asyncio, uvloop or trio event loop; "
@@ -198,17 +201,9 @@ def wait_on_loop(fut: Any, *, cancel: bool = True) -> Generator[Any, None, None]
     )
 
 
-def _give_up(fut: Any, cancel: bool) -> None:
-    """The coroutine awaiting ``fut`` was cancelled: cancel ``fut`` if asked
-    (it never runs if it has not started), and abandon it either way, so
-    that a failure nobody reads is no error (a late cancel abandons it)."""
-    if cancel:
-        fut.cancel()
-    else:
-        fut._abandon()
-
-
-async def _wait_on_trio(fut: Any, cancel: bool) -> None:
+async def _wait_on_trio(
+    subscribe: Callable[[Callable[[Any], object]], None], give_up: Callable[[], object]
+) -> None:
     import trio
 
     task = trio.lowlevel.current_task()
@@ -222,11 +217,11 @@ async def _wait_on_trio(fut: Any, cancel: bool) -> None:
     def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
         nonlocal aborted
         aborted = True
-        _give_up(fut, cancel)
+        give_up()
         return trio.lowlevel.Abort.SUCCEEDED
 
     bridge = _bridge(token, _new_trio_bridge)
-    fut.add_done_callback(lambda _: bridge.post(wake))
+    subscribe(lambda _: bridge.post(wake))
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 

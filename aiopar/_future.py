@@ -39,10 +39,24 @@ from ._blocking import block, cf_timeout, check_timeout, help_first
 from ._bridge import wait_on_loop
 from ._callbacks import drain_deferred, run_callbacks, run_each
 from ._errors import CancelledError, InvalidStateError
-from ._interop import CfCondition, LoopCallback, adapt_callback, describe_type
+from ._interop import LoopCallback, adapt_callback, describe_type
 from ._unretrieved import Unretrieved
 
-__all__ = ["FailureWatch", "Future", "copy_outcome"]
+__all__ = [
+    "FailureWatch",
+    "Future",
+    "add_callback",
+    "attach_task",
+    "block_until_done",
+    "claim",
+    "copy_outcome",
+    "failed",
+    "first_failed",
+    "retrieve",
+    "settle",
+    "until_done",
+    "values",
+]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -52,6 +66,7 @@ U = TypeVar("U")
 # tests/test_overhead.py counts. A frozenset, not a tuple: the states are
 # strings, and a tuple compares a done state with each of them by value.
 _WAITING = frozenset((PENDING, RUNNING))
+_CANCELLED = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 
 # The FailureWatch objects of threads blocked in wait_all: a future that
 # fails or is cancelled tells them; one that succeeds costs nothing here.
@@ -87,7 +102,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     )
 
     # The names concurrent.futures.wait() and as_completed() read (see
-    # _interop), with aiopar's own types rather than the base class's.
+    # CfCondition), with aiopar's own types rather than the base class's.
     _waiters: list[Any] | None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -478,7 +493,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
     # checks pass (asyncio.wrap_future, run_in_executor-style code). It
     # overrides every public method and never runs that class's __init__,
     # whose condition and lists a future needs only when
-    # concurrent.futures.wait() or as_completed() meets it (see _interop).
+    # concurrent.futures.wait() or as_completed() meets it (see CfCondition).
     # The base brings an instance __dict__, never used, that costs each
     # future about 32 bytes, in one more small allocation on CPython 3.11
     # (about 7 ns).
@@ -537,7 +552,9 @@ class Future(Generic[T], concurrent.futures.Future[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if (state := self._state) is PENDING or state is RUNNING:
-            yield from wait_on_loop(self)
+            # A cancelled await cancels the future, which stops its task if
+            # it has not started.
+            yield from wait_on_loop(self._add_callback, self.cancel)
         if self._state is FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         try:
@@ -587,8 +604,9 @@ class _UntilDone:
         self._fut = fut
 
     def __await__(self) -> Generator[Any, None, None]:
-        if not self._fut.done():
-            yield from wait_on_loop(self._fut, cancel=False)
+        fut = self._fut
+        if not fut.done():
+            yield from wait_on_loop(fut._add_callback, fut._abandon)
 
 
 def copy_outcome(source: Any, target: Future[Any]) -> None:
@@ -685,3 +703,205 @@ def _notify(fut: Future[Any], waiters: list[Any] | None, callbacks: list[Any] | 
             waiter.release()
     if callbacks:
         run_callbacks(fut, callbacks)
+
+
+# -- concurrent.futures' view of a future ------------------------------------
+#
+# concurrent.futures.wait and as_completed reach into a future's private
+# attributes: they hold `_condition` while they read `_state` and append
+# their waiter to `_waiters` (of every future, done or not), and later
+# remove it. Each waiter of a future that was not done then is told once,
+# through add_result/add_exception/add_cancelled, that it is done.
+
+
+class CfCondition:
+    """``fut._condition`` for concurrent.futures: the future's own lock.
+
+    Holding it makes ``fut._waiters`` a :class:`CfWaiters`. Releasing it
+    makes it a plain list again (or ``None``) unless a standard waiter is
+    still in it, so a future keeps nothing once they are gone. Nothing here
+    is allocated for a future that never meets concurrent.futures' code.
+    """
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: Future[Any]) -> None:
+        self._fut = fut
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        fut = self._fut
+        if not fut._lock.acquire(blocking, timeout):
+            return False
+        waiters = fut._waiters
+        if type(waiters) is not CfWaiters:
+            fut._waiters = CfWaiters(fut, waiters or ())
+        return True
+
+    def release(self) -> None:
+        fut = self._fut
+        waiters = fut._waiters
+        if type(waiters) is CfWaiters and not any(type(w) is _CfWaiter for w in waiters):
+            fut._waiters = list(waiters) or None
+        fut._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class CfWaiters(list):  # type: ignore[type-arg]
+    """A future's waiters: threads blocked in ``wait()``, and concurrent.futures waiters.
+
+    The future wakes each waiter by calling its ``release()``; a standard
+    waiter is kept in a :class:`_CfWaiter` that tells it the outcome.
+    """
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: Future[Any], waiters: Any) -> None:
+        super().__init__(waiters)
+        self._fut = fut
+
+    def append(self, waiter: Any) -> None:
+        if hasattr(waiter, "add_result"):  # not a thread blocked in Future.wait()
+            waiter = _CfWaiter(self._fut, waiter)
+        super().append(waiter)
+
+    def remove(self, waiter: Any) -> None:
+        for i, item in enumerate(self):
+            if item is waiter or (type(item) is _CfWaiter and item.waiter is waiter):
+                del self[i]
+                return
+        # Not here: it was told, and dropped, when the future settled.
+
+
+class _CfWaiter:
+    __slots__ = ("fut", "waiter")
+
+    def __init__(self, fut: Future[Any], waiter: Any) -> None:
+        self.fut = fut
+        self.waiter = waiter
+
+    def release(self) -> None:
+        fut, waiter = self.fut, self.waiter
+        if fut.cancelled():
+            waiter.add_cancelled(fut)
+        elif fut._exception is not None:
+            waiter.add_exception(fut)
+        else:
+            waiter.add_result(fut)
+
+
+# -- wait_all's waiting --------------------------------------------------------
+
+
+def first_failed(futures: list[Future[Any]]) -> int | None:
+    """Wait until all of ``futures`` are done, or one has failed or been
+    cancelled; return the index of the first of those in list order, or None.
+
+    The calling thread runs a task that has not started only once its
+    future is the last one not done (a task it ran could not be stopped
+    when another failed meanwhile); a pool's worker first runs the tasks it
+    forked that are still queued, as before any wait. The last task may run
+    here, so its failure's traceback holds this frame: it lets go of the
+    failed future before it returns."""
+    # Watched from before the first look, so that a failure is either seen
+    # by that look or heard by the watch: when neither happens, the futures
+    # need no second look once they are all done.
+    with FailureWatch(futures) as watch:
+        index = _index_of_failed(futures)
+        if index is not None:
+            return index
+        pending = [fut for fut in futures if fut._state in _WAITING]
+        if not pending:
+            return None
+        if len(pending) == 1:
+            pending[0]._block(None)  # runs its task here if it has not started
+        else:
+            _wait_unless_one_fails(pending, watch)
+        pending.clear()
+        if not watch.failed:
+            return None
+    return _index_of_failed(futures)
+
+
+def values(futures: list[Future[Any]]) -> list[Any]:
+    """The values of ``futures``, every one of which succeeded."""
+    # value()'s common case, without its call: a batch of forks pays no call per value.
+    return [fut._result for fut in futures]
+
+
+def _wait_unless_one_fails(pending: list[Future[Any]], watch: FailureWatch) -> None:
+    """Block until all of ``pending`` are done or ``watch`` hears that one
+    of its futures failed or was cancelled, running none of their tasks
+    here (a task this thread ran could not be stopped when another failed),
+    except that a pool's worker first runs its own queued forks, as before
+    any wait."""
+    # Newest first: forks run in about the order they were made, so the
+    # thread blocks about once, not once per future.
+    for fut in reversed(pending):
+        if fut._state in _WAITING:
+            help_first(fut, None, None)  # a pool's worker runs its queued forks first
+            if fut._state in _WAITING and not watch.failed:
+                fut._sleep(None, fut._task, watch)
+        if watch.failed:
+            return
+
+
+def _index_of_failed(futures: list[Future[Any]]) -> int | None:
+    """The index of the first of ``futures`` that failed or was cancelled, or None."""
+    for index, fut in enumerate(futures):
+        # A success, the common case, costs two identity tests.
+        if fut._exception is not None or (fut._state is not FINISHED and fut._state in _CANCELLED):
+            del fut  # no cycle: see first_failed
+            return index
+    return None
+
+
+# -- the internal interface ----------------------------------------------------
+#
+# What the rest of aiopar does to a future beyond its public methods: a
+# backend attaches the task that settles it, claims it and settles it; the
+# API blocks on it and reads whether it failed. Other modules use these
+# names, never a future's private fields. Each is the Future's own method
+# (or, for attach_task, its slot's setter), so calling one costs what
+# calling the method did: no Python call is added on the hot path, whose
+# calls tests/test_overhead.py counts.
+
+#: ``claim(fut)``: PENDING -> RUNNING, for the one thread that will run its
+#: task; False if it was cancelled or claimed already.
+claim: Callable[[Future[Any]], bool] = Future._claim
+
+#: ``settle(fut, result, exception)``: FINISHED with this outcome (with
+#: ``exception`` if it is not None), waiters woken and callbacks run; False
+#: if the future was done already. A forked task's future is settled only so.
+settle: Callable[[Future[Any], Any, BaseException | None], bool] = Future._settle
+
+#: ``attach_task(fut, task)``: ``task`` is what settles ``fut`` (a waiter
+#: may run it, see ``_blocking.help_first``); set once, before the task is
+#: queued. A C call (the slot's setter), not a Python one: every fork pays it.
+attach_task: Callable[[Future[Any], Any], None] = Future._task.__set__  # type: ignore[misc]
+
+#: ``retrieve(fut)``: its exception or None; the failure now counts as read,
+#: so it is not logged when the future goes.
+retrieve: Callable[[Future[Any]], BaseException | None] = Future._retrieve
+
+#: ``block_until_done(fut, timeout)``: wait until done or ``timeout``
+#: passes, running the work this thread can first; True if done. Raises
+#: nothing of the future's outcome.
+block_until_done: Callable[[Future[Any], float | None], bool] = Future._block
+
+#: ``until_done(fut)``: an awaitable that waits for the future without
+#: raising its outcome.
+until_done: Callable[[Future[Any]], _UntilDone] = Future._until_done
+
+#: ``add_callback(fut, fn)``: ``add_done_callback`` without its checks, for
+#: aiopar's own callbacks: ``fn(fut)`` runs in the settling thread.
+add_callback: Callable[[Future[Any], Callable[[Future[Any]], object]], None] = Future._add_callback
+
+
+def failed(fut: Future[Any]) -> bool:
+    """True if ``fut`` finished with an exception. The failure does not count
+    as read (compare :func:`retrieve`)."""
+    return fut._exception is not None

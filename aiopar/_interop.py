@@ -9,14 +9,10 @@ callback that asyncio's own code adds on a loop's thread runs on that loop,
 through the batching bridge; every other callback runs in the thread that
 settles the future, as a ``concurrent.futures`` callback does.
 
-concurrent.futures: ``Future`` derives from ``concurrent.futures.Future``
-and keeps its state in ``_state`` under the standard library's own names.
-``wait`` and ``as_completed`` lock each future through ``_condition``, read
-``_state`` and add their waiter to ``_waiters``. The condition is a view of
-the future's own lock, made on access; while it is held, ``_waiters`` is a
-list that keeps a standard waiter among the future's blocked threads, woken
-the same way. Nothing here is allocated for a future that never meets this
-code.
+concurrent.futures: ``Future`` derives from ``concurrent.futures.Future``;
+how its ``wait`` and ``as_completed`` see the future's state is the
+future's own module's (``aiopar._future.CfCondition``). Here: whether an
+object answers as one of its futures does, for ``aiopar.wrap``.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from typing import Any
 from ._bridge import Bridge, asyncio_bridge
 
 __all__ = [
-    "CfCondition",
     "LoopCallback",
     "adapt_callback",
     "describe_type",
@@ -120,94 +115,7 @@ class LoopCallback:
             )
 
 
-# -- concurrent.futures -----------------------------------------------------
-#
-# concurrent.futures.wait and as_completed reach into a future's private
-# attributes: they hold `_condition` while they read `_state` and append
-# their waiter to `_waiters` (of every future, done or not), and later
-# remove it. Each waiter of a future that was not done then is told once,
-# through add_result/add_exception/add_cancelled, that it is done.
-
-
-class CfCondition:
-    """``fut._condition`` for concurrent.futures: the future's own lock.
-
-    Holding it makes ``fut._waiters`` a :class:`CfWaiters`. Releasing it
-    makes it a plain list again (or ``None``) unless a standard waiter is
-    still in it, so a future keeps nothing once they are gone.
-    """
-
-    __slots__ = ("_fut",)
-
-    def __init__(self, fut: Any) -> None:
-        self._fut = fut
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        fut = self._fut
-        if not fut._lock.acquire(blocking, timeout):
-            return False
-        waiters = fut._waiters
-        if type(waiters) is not CfWaiters:
-            fut._waiters = CfWaiters(fut, waiters or ())
-        return True
-
-    def release(self) -> None:
-        fut = self._fut
-        waiters = fut._waiters
-        if type(waiters) is CfWaiters and not any(type(w) is _CfWaiter for w in waiters):
-            fut._waiters = list(waiters) or None
-        fut._lock.release()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
-
-
-class CfWaiters(list):  # type: ignore[type-arg]
-    """A future's waiters: threads blocked in ``wait()``, and concurrent.futures waiters.
-
-    The future wakes each waiter by calling its ``release()``; a standard
-    waiter is kept in a :class:`_CfWaiter` that tells it the outcome.
-    """
-
-    __slots__ = ("_fut",)
-
-    def __init__(self, fut: Any, waiters: Any) -> None:
-        super().__init__(waiters)
-        self._fut = fut
-
-    def append(self, waiter: Any) -> None:
-        if hasattr(waiter, "add_result"):  # not a thread blocked in Future.wait()
-            waiter = _CfWaiter(self._fut, waiter)
-        super().append(waiter)
-
-    def remove(self, waiter: Any) -> None:
-        for i, item in enumerate(self):
-            if item is waiter or (type(item) is _CfWaiter and item.waiter is waiter):
-                del self[i]
-                return
-        # Not here: it was told, and dropped, when the future settled.
-
-
-class _CfWaiter:
-    __slots__ = ("fut", "waiter")
-
-    def __init__(self, fut: Any, waiter: Any) -> None:
-        self.fut = fut
-        self.waiter = waiter
-
-    def release(self) -> None:
-        _tell(self.waiter, self.fut)
-
-
-def _tell(waiter: Any, fut: Any) -> None:
-    if fut.cancelled():
-        waiter.add_cancelled(fut)
-    elif fut._exception is not None:
-        waiter.add_exception(fut)
-    else:
-        waiter.add_result(fut)
+# -- other futures ------------------------------------------------------------
 
 
 def has_future_protocol(obj: object) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, NoReturn, TypeVar
 from .. import _loop, _trace
 from .._checks import check_count
 from .._errors import CancelledError
-from .._future import Future
+from .._future import Future, add_callback, attach_task, claim, retrieve, settle
 from .._interrupt import on_main_thread
 from . import _exit
 
@@ -86,7 +86,7 @@ class Task:
     def claim(self) -> Future[Any] | None:
         """The future, now RUNNING, if this thread may run the task; else None."""
         future = self.future
-        if future is None or not future._claim():
+        if future is None or not claim(future):
             return None
         # A queue may hold this task a while after a waiter ran it: it must
         # not hold the future, and with it the result, meanwhile.
@@ -127,10 +127,10 @@ class Task:
             # interrupt, not the task's result.
             error = CancelledError("interrupted by Ctrl-C while the main thread was running it")
             error.__cause__ = exception
-            future._settle(None, error)
-            future._retrieve()  # the interrupt itself goes on up: nothing is unread
+            settle(future, None, error)
+            retrieve(future)  # the interrupt itself goes on up: nothing is unread
             raise exception
-        future._settle(result, exception)
+        settle(future, result, exception)
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:
@@ -192,7 +192,7 @@ class _Chunk:
         try:
             for args, future in zip(items, futures, strict=True):
                 done += 1
-                if not future._claim():
+                if not claim(future):
                     continue  # cancelled before the chunk reached it
                 try:
                     result = fn(*args)  # type: ignore[misc]
@@ -200,7 +200,7 @@ class _Chunk:
                     Task.settle(future, (None, exc))
                     del exc
                 else:
-                    future._settle(result, None)
+                    settle(future, result, None)
                 del future
         finally:
             for future in futures[done:]:
@@ -268,7 +268,7 @@ class Backend(ABC):
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)
-        future._task = task
+        attach_task(future, task)
         self.enqueue(task)
         return future
 
@@ -319,13 +319,13 @@ class Backend(ABC):
         futures: list[Future[Any]] = [Future() for _ in items]
         chunk = _Chunk(fn, items, futures)
         chunk_future: Future[None] = Future()
-        chunk_future._add_callback(chunk.cancel_if_cancelled)
+        add_callback(chunk_future, chunk.cancel_if_cancelled)
         task = self.task_class(chunk_future, chunk, (), _NO_KWARGS, copy_context(), self)
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)
         for future in futures:
-            future._task = task
+            attach_task(future, task)
         self.enqueue(task)
         return futures
 

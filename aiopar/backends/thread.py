@@ -41,7 +41,7 @@ import sniffio
 
 from .. import _budget, _budget_slots, _interrupt
 from .._budget_slots import Occupancy, Slot, probe, use_slot
-from .._future import Future
+from .._future import Future, claim, settle
 from .._waiter import set_waiter
 from . import _stall
 from ._base import Backend, Task, check_count
@@ -80,7 +80,7 @@ class PoolTask(Task):
         # keywords are involved: on a worker, the task's own function is
         # then the one Python call a task makes besides its future's.
         future = self.future
-        if future is None or not future._claim():
+        if future is None or not claim(future):
             return
         self.future = None
         slot = worker.slot
@@ -102,7 +102,7 @@ class PoolTask(Task):
             self.settle(future, (None, exc))
         else:
             self.fn = self.args = None  # type: ignore[assignment] # before any callback runs
-            future._settle(result, None)
+            settle(future, result, None)
         finally:
             if context is worker.context and context:
                 worker.context = Context()
