@@ -445,7 +445,10 @@ class Pool:
                 for job, error in self._start_workers():
                     job.packed.discard()
                     settles.append((job.future, (None, error)))
-            watch.add_new(self._workers)
+            # Workers are only ever added here, and dropped from both lists
+            # once they are gone: the sizes tell whether one is new.
+            if len(watch.workers) != len(self._workers):
+                watch.add_new(self._workers)
             return self.closed and not self._pending and not self._busy() and not self._results.busy
 
     def _handle(
@@ -902,10 +905,6 @@ class _Watch:
 
     def add_new(self, workers: list[PoolWorker]) -> None:
         """Watch the workers not watched yet."""
-        # Workers are only ever added by the manager, and dropped from both
-        # once they are gone: the sizes tell whether one is new.
-        if len(self.workers) == len(workers):
-            return
         for worker in workers:
             if worker not in self.workers:
                 self.workers.add(worker)

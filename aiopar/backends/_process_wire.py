@@ -277,7 +277,12 @@ class Channel:
         if self.stall_timeout is None or not self.sock.getblocking():
             nbytes, ancdata, flags, _ = self.sock.recvmsg_into([view], _ANC_SIZE)
         else:
-            nbytes, ancdata, flags = self._recvmsg_or_stall(view, self.stall_timeout)
+            try:
+                nbytes, ancdata, flags, _ = self.sock.recvmsg_into(
+                    [view], _ANC_SIZE, socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:
+                nbytes, ancdata, flags = self._recvmsg_or_stall(view, self.stall_timeout)
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array("i")
