@@ -79,24 +79,28 @@ def test_no_task_is_sent_ahead_before_one_finished_nor_while_tasks_are_long(own_
     assert busy.wait(timeout=30) is None
 
 
-def test_a_ctrl_c_cancels_every_task_no_worker_runs_yet(tmp_path):
+@pytest.mark.parametrize("prefetch", [None, 1])
+def test_a_ctrl_c_cancels_every_task_no_worker_runs_yet(tmp_path, prefetch):
     # Forked at once on a fresh pool, long tasks go to no worker ahead of
-    # their turn: what an uncaught KeyboardInterrupt cancels is every task
-    # that is not running, and none "never ran: it was queued on the worker".
+    # their turn, unless prefetch says so; either way what an uncaught
+    # KeyboardInterrupt ends is cancelled if it never started, and none
+    # fails with "never ran: it was queued on the worker".
     done = run_script(
         tmp_path,
-        """
+        f"""
         import os, time, aiopar
         from helpers import eventually
         from process_helpers import meet
 
         os.mkdir("started")
-        backend = aiopar.get_backend("process", max_workers=2, grace=0.5)
+        backend = aiopar.get_backend("process", max_workers=2, grace=0.5, prefetch={prefetch})
         futures = [backend.fork(meet, os.path.abspath("started"), 99) for _ in range(4)]
         for future in futures:
             future.add_done_callback(
                 lambda f: print("cancelled" if f.cancelled() else repr(f.exception()), flush=True)
             )
+        if {prefetch}:
+            eventually(lambda: sum(len(w.inflight) for w in backend._pool.workers) == 4)
         eventually(lambda: len(os.listdir("started")) == 2)  # two run, two wait
         raise KeyboardInterrupt
         """,

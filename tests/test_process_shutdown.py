@@ -140,7 +140,7 @@ def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
             time.sleep(0.01)
         backend.shutdown(wait=True, cancel_pending=True)
         print("stuck:", repr(stuck.exception()))
-        print("prefetched:", repr(prefetched.exception()))
+        print("prefetched cancelled:", prefetched.cancelled())
         print("queued cancelled:", queued.cancelled())
         print("workers left:", len(backend._pool.workers))
         """,
@@ -150,7 +150,7 @@ def test_shutdown_cancel_pending_terminates_a_stuck_worker(tmp_path):
     assert "stuck: BrokenWorkerError(" in out
     assert "sleep() was terminated at shutdown" in out
     assert "0.5 s after shutdown(cancel_pending=True)" in out
-    assert "prefetched: BrokenWorkerError(" in out and "never ran" in out
+    assert "prefetched cancelled: True" in out  # it never started: its worker was stopped first
     assert "queued cancelled: True" in out
     assert "workers left: 0" in out
     assert "terminating" in done.stderr  # logged, with what to change

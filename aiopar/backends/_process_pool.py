@@ -678,7 +678,8 @@ class Pool:
         worker.close()
         for job, message in losses:
             job.packed.discard()
-            settles.append((job.future, (None, BrokenWorkerError(message))))
+            outcome = None if message is None else (None, BrokenWorkerError(message))
+            settles.append((job.future, outcome))
 
     def _read_last_frames(self, worker: PoolWorker, settles: list[Settle]) -> None:
         """Handle what the worker sent before it exited."""
@@ -695,10 +696,10 @@ class Pool:
                     worker.broken = str(exc)
                     return
 
-    def _drop(self, worker: PoolWorker, cause: str) -> list[tuple[Job, str]]:
+    def _drop(self, worker: PoolWorker, cause: str) -> list[tuple[Job, str | None]]:
         """Take the exited worker off the pool; requeue what it had not
-        started; return the jobs to fail, each with what to tell. Called
-        with the lock held."""
+        started; return the jobs to fail, each with what to tell (None: to
+        cancel, it never started). Called with the lock held."""
         self._finish_send()
         self._workers.remove(worker)
         if worker in self._idle:
@@ -718,7 +719,7 @@ class Pool:
         if not worker.ready and not self.closed:
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
-                losses += [(job, _never_started(job, cause)) for job in self._pending]
+                losses += [(job, _never_run(job, cause)) for job in self._pending]
                 self._pending.clear()
         self._dispatch()
         return losses
@@ -741,15 +742,9 @@ class Pool:
                 self._renew = renew
                 self._why_terminated = why
             manager = self._manager
-        started = []
-        for job in queued:
-            if job.future.cancel():
-                job.packed.discard()
-            else:
-                started.append(job)  # resent after its worker died: it runs
-        if started:
-            with self._lock:
-                self._pending.extendleft(reversed(started))
+        for job in queued:  # none started, though one may have been sent to a worker that died
+            job.packed.discard()
+            settle(job.future, None)
         if manager is None:
             self.segments.close()
         else:
@@ -789,13 +784,9 @@ class Pool:
         terminating = []
         with self._lock:
             if due:
-                for job in self._pending:
+                for job in self._pending:  # none started: each is cancelled
                     job.packed.discard()
-                    if job.future.running():  # resent after its worker died: too late to cancel
-                        message = f"{job.name}() never ran: the pool was stopped ({why})"
-                        settles.append((job.future, (None, BrokenWorkerError(message))))
-                    else:
-                        settles.append((job.future, None))
+                    settles.append((job.future, None))
                 self._pending.clear()
             for worker in self._workers:
                 if worker.terminated is None:
@@ -950,10 +941,10 @@ def _settle_from(job: Job, frame: wire.Frame) -> None:
     settle(job.future, _outcome(job, frame))
 
 
-def _losses(worker: PoolWorker, cause: str, jobs: list[Job]) -> list[tuple[Job, str]]:
+def _losses(worker: PoolWorker, cause: str, jobs: list[Job]) -> list[tuple[Job, str | None]]:
     """What to tell the futures of the jobs a gone worker still had: the
     first it was running, the others it had been sent (``cause``: how it
-    exited)."""
+    exited); None for one that is cancelled, as it surely never started."""
     pid = worker.pid
     if worker.broken is not None:
         return [
@@ -965,15 +956,14 @@ def _losses(worker: PoolWorker, cause: str, jobs: list[Job]) -> list[tuple[Job, 
             )
             for i, job in enumerate(jobs)
         ]
-    if worker.terminated is not None:
+    if worker.terminated is not None:  # the jobs behind the running one are cancelled
         return [
             (
                 job,
                 f"the worker process (pid {pid}) running {job.name}() was terminated at "
                 f"shutdown: {worker.terminated}. The task's work is lost"
                 if i == 0
-                else f"{job.name}() never ran: it was queued on the worker process "
-                f"(pid {pid}) that shutdown terminated ({worker.terminated})",
+                else None,
             )
             for i, job in enumerate(jobs)
         ]
@@ -987,7 +977,7 @@ def _losses(worker: PoolWorker, cause: str, jobs: list[Job]) -> list[tuple[Job, 
     ]
 
 
-def _never_started(job: Job, cause: str) -> str:
+def _never_run(job: Job, cause: str) -> str:
     return (
         f"{MAX_START_FAILURES} worker processes in a row died before they were "
         f"ready (the last one {cause}); their error output is above. "
@@ -1007,7 +997,9 @@ def _queued_bytes(worker: Worker) -> int:
 
 
 def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:
-    """Settle ``future`` with ``outcome``, or cancel it if that is None.
+    """Settle ``future`` with ``outcome``, or cancel it if that is None (the
+    pool cancels only a task it knows never started, sent to a worker or
+    not).
 
     A done-callback runs here; whatever it raises (SystemExit and
     KeyboardInterrupt included) is the callback's business, not the
@@ -1015,7 +1007,8 @@ def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None
     """
     try:
         if outcome is None:
-            future.cancel()
+            if not future.cancel():
+                future._cancel_claimed()  # sent to a worker that never got to it
         else:
             Task.settle(future, outcome)
     except BaseException as exc:

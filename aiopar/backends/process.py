@@ -152,9 +152,10 @@ class ProcessBackend(Backend):
     queued tasks beyond the running one a worker may hold, so it goes from
     one task to the next without a round trip to this process. A task sent
     ahead counts as started, as a call in ProcessPoolExecutor's call queue
-    does: it can no longer be cancelled (by ``cancel_pending``,
-    ``cancel_futures`` or a Ctrl-C either), and waits for the tasks before
-    it on that worker. No task goes ahead while a worker is idle or
+    does: ``cancel()`` refuses it, as do ``cancel_futures`` and the
+    cancelling of a shutdown or a Ctrl-C, and it waits for the tasks before
+    it on that worker; if a shutdown terminates the worker before it gets
+    to the task, the task ends cancelled. No task goes ahead while a worker is idle or
     starting, or while the pool has fewer workers than it may have, so
     tasks forked at once run on as many workers. By default it adapts:
     about a millisecond of work at the tasks' recent pace (between 1 and 16
