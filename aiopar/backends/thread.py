@@ -41,7 +41,7 @@ import sniffio
 
 from .. import _budget, _budget_slots, _interrupt
 from .._budget_slots import Occupancy, Slot, probe, use_slot
-from .._future import Future, claim, settle
+from .._future import Future
 from .._waiter import set_waiter
 from . import _stall
 from ._base import Backend, Task, check_count
@@ -64,7 +64,8 @@ class PoolTask(Task):
     forked it, ``reserved`` the worker its fork woke, if any: a thread that
     runs it in ``wait`` tells the budget's occupancy hook what that means
     (rule 2 and 3 of ``aiopar._budget``). A pool's worker accounts for its
-    whole spell of tasks instead, and runs each with :meth:`run_on_worker`."""
+    whole spell of tasks instead: its spell begins with the first task it
+    runs, not with one it only took."""
 
     __slots__ = ("forker", "reserved")
     backend: ThreadBackend
@@ -72,66 +73,33 @@ class PoolTask(Task):
     reserved: _Worker | None
     stealable = True  # in-process: a waiter may run it
 
-    def run_on_worker(self, worker: _Worker) -> None:
-        """Run the task in ``worker``, a pool's worker (unless it was
-        cancelled, or another thread claimed it first): a spell of work
-        begins with the first task it runs, not with one it only took."""
-        # claim(), call() and settle() inline where neither the profiler nor
-        # keywords are involved: on a worker, the task's own function is
-        # then the one Python call a task makes besides its future's.
-        future = self.future
-        if future is None or not claim(future):
-            return
-        self.future = None
-        slot = worker.slot
-        if not slot.ran:
-            slot.first_task()
-        if self.record is not None or self.kwargs:
-            self.settle(future, self.call())
-            del future  # a failure's traceback holds this frame: no cycle (see Future)
-            return
-        # A task forked with no context variable set runs in its worker's
-        # empty context, the same as a fresh one as long as no task leaves
-        # a variable set in it: a task that does gets the worker a new one.
-        context = self.context or worker.context
-        args = self.args
-        try:
-            result = context.run(self.fn, *args) if args else context.run(self.fn)
-        except BaseException as exc:
-            self.fn = self.args = None  # type: ignore[assignment]
-            self.settle(future, (None, exc))
-        else:
-            self.fn = self.args = None  # type: ignore[assignment] # before any callback runs
-            settle(future, result, None)
-        finally:
-            if context is worker.context and context:
-                worker.context = Context()
-        del future  # a failure's traceback holds this frame: no cycle (see Future)
+    def run(
+        self,
+        context: Context | None = None,
+        starting: Callable[[], Callable[[], object] | None] | None = None,
+    ) -> None:
+        """Run the task in a thread that waits for it (see :meth:`Task.run`),
+        telling the budget what that means. A pool's worker runs its tasks
+        with :meth:`Task.run` itself, accounting for its whole spell."""
+        if starting is None and _budget_slots.hook is not None:
+            starting = self._waiter_runs
+        super().run(context, starting)
 
-    def run(self) -> None:
-        """Run the task in a thread that waits for it (unless it was cancelled,
-        or another thread claimed it first)."""
-        future = self.claim()
-        if future is None:
-            return
+    def _waiter_runs(self) -> Callable[[], object] | None:
+        """The task is claimed by a thread that waits for it: tell the
+        budget's occupancy hook; what to call once the task's call is over,
+        or None."""
         occupancy = _budget_slots.hook
-        slot = None
-        if occupancy is not None and _current.__dict__.get("worker") is None:
-            ident = get_ident()
-            if self.forker != ident:
-                slot = occupancy.runs_other_task()
-            else:
-                sharer = self.backend._sharers.get(ident)
-                woken = self.reserved
-                if woken is not None or sharer is None or not sharer.sharing:
-                    self.backend._runs_own_fork(occupancy, woken, ident)
-        try:
-            outcome = self.call()
-        finally:
-            if slot is not None:
-                slot.task_ended()
-        self.settle(future, outcome)
-        del future, outcome  # a failure's traceback holds this frame: no cycle (see Future)
+        if occupancy is None or _current.__dict__.get("worker") is not None:
+            return None  # a pool's worker that waits: its spell accounts for it
+        ident = get_ident()
+        if self.forker != ident:
+            return occupancy.runs_other_task().task_ended
+        sharer = self.backend._sharers.get(ident)
+        woken = self.reserved
+        if woken is not None or sharer is None or not sharer.sharing:
+            self.backend._runs_own_fork(occupancy, woken, ident)
+        return None
 
 
 class _InitializedPoolTask(PoolTask):
@@ -252,7 +220,8 @@ class ThreadBackend(Backend):
         self._initializer = initializer
         self._initargs = tuple(initargs)
         if initializer is not None:
-            self.task_class = _InitializedPoolTask
+            # This pool's own task class; Backend.fork reads it off the instance.
+            self.task_class = _InitializedPoolTask  # type: ignore[misc]
         self._reset()
         _live_pools.add(self)
         probe()  # the budget listens from the first fork if BLAS is loaded already
@@ -568,7 +537,12 @@ class ThreadBackend(Backend):
             worker.task = task
             if blocking_keys and presumed(task.fn):
                 self._stall(worker, task)  # it blocked last time: counted out from the start
-            task.run_on_worker(worker)
+            # As any task runs (not PoolTask.run, a waiting thread's): its
+            # spell of work begins with the first task it runs, not with one
+            # it only took.
+            Task.run(task, worker.context, None if slot.ran else slot.first_task)
+            if worker.context:  # a task left a variable set in it: the next gets a fresh one
+                worker.context = Context()
             worker.task = None
             # Counted out as blocked outside aiopar (a wait has resumed by
             # now): it is back. The watcher sets ``held`` before it looks at
