@@ -5,8 +5,16 @@ take at once (a non-blocking write, in the sending thread) is queued, and
 the hub writes it as the socket drains. Reading is the hub's: it feeds
 what arrives to the connection's reading protocol (the handshake, then
 :func:`~.framing.messages`). A large frame is read straight into its own
-buffer. However the connection ends, what its users see is one error,
-:class:`~.core.ConnectionClosed`.
+buffer; the rest is read through the reading thread's buffer, so a
+connection holds no read buffer of its own, only the bytes its protocol
+has not taken yet. However the connection ends, what its users see is one
+error, :class:`~.core.ConnectionClosed`.
+
+What a connection that has not proved itself (a listener's, in its
+handshake) makes this process hold is bounded: its objects, its TLS
+session, and fewer bytes than the handshake's next step asks for; and
+closing a connection breaks every reference cycle through it, so it is
+freed as it closes, without waiting for the garbage collector.
 """
 
 from __future__ import annotations
@@ -32,11 +40,26 @@ __all__ = ["Connection", "OnMessage", "tune"]
 
 _MAX_QUEUED = 64 << 20  # bytes waiting in a connection's queue before callers wait for room
 _IOV_MAX = 1024  # buffers one sendmsg takes (Linux)
-_STAGING = 1 << 18  # bytes read from a socket at once
+_STAGING = 1 << 18  # bytes read from a socket at once, into the reading thread's buffer
 _LARGE = _STAGING // 4  # a frame at least this long is read straight into its own buffer
 _MAPPED = 1 << 20  # a frame at least this long is read into mapped memory
 
 OnMessage = Callable[["Connection", int, int, Frames], object]
+
+
+class _Staging(threading.local):
+    """The reading thread's buffers (a hub's): each socket it serves is read
+    into ``plain`` (a TLS session's bytes through ``encrypted``) and the
+    protocol takes what it asked for from there. One thread reads at a time
+    and never from inside a protocol, so one pair serves every connection.
+    """
+
+    def __init__(self) -> None:
+        self.plain = bytearray(_STAGING)
+        self.encrypted = bytearray(_STAGING)
+
+
+_staging = _Staging()
 
 
 def tune(sock: socket.socket) -> None:
@@ -74,8 +97,7 @@ class Connection:
         # reading: the hub's thread only
         self._protocol: ReadingProtocol | None = None
         self._wanted = 0
-        self._staging = bytearray(_STAGING)
-        self._start = self._end = 0  # what _staging holds and the protocol has not taken
+        self._held = bytearray()  # read, not taken by the protocol: fewer bytes than _wanted
         self._large: bytearray | mmap.mmap | None = None  # a large frame, read in place
         self._got = 0
 
@@ -302,7 +324,12 @@ class Connection:
         hub.add(self, deadline)
 
     def on_readable(self) -> None:
-        """The hub: read what the socket has, and feed it to the protocol."""
+        """The hub: read what the socket has, and feed it to the protocol.
+        What the protocol has not taken when the socket runs dry is kept:
+        fewer bytes than it asked for."""
+        staging = _staging.plain
+        start, end = 0, len(self._held)  # what staging holds and the protocol has not taken
+        staging[:end] = self._held
         drained = False  # a read came back short: the socket has no more for now
         try:
             while self._protocol is not None:
@@ -313,37 +340,37 @@ class Connection:
                         piece, self._large = self._large, None
                         self._wanted = self._protocol.send(piece)
                     continue
-                held = self._end - self._start
+                held = end - start
                 if held >= self._wanted:
-                    piece = self._staging[self._start : self._start + self._wanted]
-                    self._start += self._wanted
+                    piece = staging[start : start + self._wanted]
+                    start += self._wanted
                     self._wanted = self._protocol.send(piece)
                     continue
                 if self._wanted >= _LARGE:
                     self._large = _buffer(self._wanted)
-                    self._large[:held] = self._staging[self._start : self._end]
+                    self._large[:held] = staging[start:end]
                     self._got = held
-                    self._start = self._end = 0
+                    start = end = 0
                     continue
                 if drained and (self._tls is None or self._tls.holds_nothing()):
                     return  # the hub calls again when more comes
-                if self._start:
-                    self._staging[:held] = self._staging[self._start : self._end]
-                    self._start, self._end = 0, held
-                room = memoryview(self._staging)[self._end :]
+                if start:
+                    staging[:held] = staging[start:end]
+                    start, end = 0, held
+                room = memoryview(staging)[end:]
                 got = self._receive_into(room)
-                self._end += got
+                end += got
                 drained = got < len(room)
         except BlockingIOError:
             return
         except (ConnectionClosed, PermissionError) as exc:  # the end of it, or a stranger
             self._broken(exc)
         except OSError as exc:  # the socket failed (TLS's errors are OSErrors too)
-            closed = ConnectionClosed(f"the connection broke ({type(exc).__name__}: {exc})")
-            closed.__cause__ = exc
-            self._broken(closed)
+            self._broken(_broke(exc))
         except BaseException as exc:  # what came is no message of this wire
             self._broken(exc)
+        finally:
+            self._held = staging[start:end]
 
     def _receive_into(self, view: memoryview) -> int:
         """Read into ``view``: BlockingIOError if nothing has come,
@@ -357,7 +384,7 @@ class Connection:
         else:
             with self._lock:
                 try:
-                    got = self._tls.decrypt_into(self._sock, view)
+                    got = self._tls.decrypt_into(self._sock, view, _staging.encrypted)
                 finally:
                     if self._tls.has_output():  # the handshake's answers
                         self._take_encrypted()
@@ -400,7 +427,10 @@ class Connection:
             hub = self._hub
         if self._shared is not None:
             self._shared.close()
+        # What the connection's owners gave it refers back to it (a closure,
+        # a protocol reading it): let go of them, so that it is freed now.
         self._protocol = None
+        self._on_close = None
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         if hub is None:
@@ -408,6 +438,15 @@ class Connection:
         else:
             hub.remove(self, self._sock.close)
         return True
+
+
+def _broke(exc: OSError) -> ConnectionClosed:
+    """The error for a socket that failed with ``exc``. (Made here, not in
+    the handler's frame, which ``exc``'s traceback holds: a local there
+    would hold ``exc`` in turn, a cycle only the collector breaks.)"""
+    closed = ConnectionClosed(f"the connection broke ({type(exc).__name__}: {exc})")
+    closed.__cause__ = exc
+    return closed
 
 
 def _buffer(size: int) -> bytearray | mmap.mmap:

@@ -127,44 +127,52 @@ class Hub:
 
     def _run(self) -> None:
         self._thread_init()
-        select, calls, deadlines = self._selector.select, self._calls, self._deadlines
-        while True:
-            timeout = None
-            if deadlines:
-                timeout = max(0.0, min(deadlines.values()) - time.monotonic())
-            for key, events in select(timeout):
-                target = key.data
-                if target is None:
-                    with contextlib.suppress(OSError):
-                        while self._wake_in.recv(4096):
-                            pass
-                    continue
-                try:
-                    if events & selectors.EVENT_WRITE:
-                        target.on_writable()
-                    if events & selectors.EVENT_READ:
-                        target.on_readable()
-                except Exception as exc:
-                    self._failed(target, exc)
-            while calls:  # appended under the lock, taken from here only
-                fn, args = calls.popleft()
+        while self._round():
+            pass
+
+    def _round(self) -> bool:
+        """Wait once, then handle what is ready, the calls and the deadlines
+        due; False once the hub is closed. (A round of its own, so that no
+        local holds a target or a call's arguments while the hub waits: a
+        closed connection is freed as it closes.)"""
+        calls, deadlines = self._calls, self._deadlines
+        timeout = None
+        if deadlines:
+            timeout = max(0.0, min(deadlines.values()) - time.monotonic())
+        for key, events in self._selector.select(timeout):
+            target = key.data
+            if target is None:
+                with contextlib.suppress(OSError):
+                    while self._wake_in.recv(4096):
+                        pass
+                continue
+            try:
+                if events & selectors.EVENT_WRITE:
+                    target.on_writable()
+                if events & selectors.EVENT_READ:
+                    target.on_readable()
+            except Exception as exc:
+                self._failed(target, exc)
+        while calls:  # appended under the lock, taken from here only
+            fn, args = calls.popleft()
+            self._call(fn, args)
+        if self._closed:
+            with self._lock:  # no call can come any more
+                left = list(calls)
+            for fn, args in left:
                 self._call(fn, args)
-            if self._closed:
-                with self._lock:  # no call can come any more
-                    left = list(calls)
-                for fn, args in left:
-                    self._call(fn, args)
-                self._stop()
-                return
-            if deadlines:
-                now = time.monotonic()
-                for target, deadline in list(deadlines.items()):
-                    if deadline <= now:
-                        del deadlines[target]
-                        try:
-                            target.on_late()
-                        except Exception as exc:
-                            self._failed(target, exc)
+            self._stop()
+            return False
+        if deadlines:
+            now = time.monotonic()
+            for target, deadline in list(deadlines.items()):
+                if deadline <= now:
+                    del deadlines[target]
+                    try:
+                        target.on_late()
+                    except Exception as exc:
+                        self._failed(target, exc)
+        return True
 
     def _call(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         try:

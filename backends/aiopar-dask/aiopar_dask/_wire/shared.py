@@ -34,6 +34,10 @@ _MAX_FDS = 64  # descriptors received and not yet taken before a connection is d
 ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * 4) if LOCAL else 0  # room for descriptors in a read
 
 
+def _nothing() -> None:
+    pass
+
+
 class SharedMemory:
     """The segments of one connection: this side's that the other side maps,
     the other side's that this side no longer maps (to be released), and the
@@ -123,8 +127,10 @@ class SharedMemory:
 
     def close(self) -> None:
         """The connection is closed: every lent segment goes back to the pool
-        (the other side maps it, or never will), and the descriptors not
-        taken are closed."""
+        (the other side maps it, or never will), the descriptors not taken
+        are closed, and ``on_unmapped`` is let go (nothing is released on a
+        closed connection; and it refers back to the connection)."""
+        self._on_unmapped = _nothing
         with self._lock:
             lent = list(self._lent)
         self.release(lent)

@@ -16,7 +16,7 @@ from .core import ConnectionClosed
 
 __all__ = ["TlsSession"]
 
-_STAGING = 1 << 18  # encrypted bytes read from the socket at once
+_RECEIVED = 1 << 18  # encrypted bytes the caller's handshake reads at once
 _CHUNK = 1 << 20  # plaintext encrypted at once: a big message is not doubled in memory
 
 
@@ -29,7 +29,6 @@ class TlsSession:
         self._session = context.wrap_bio(
             self._incoming, self._outgoing, server_side=server_side, server_hostname=host
         )
-        self._received = bytearray(_STAGING)  # what the socket gave, before it is decrypted
         self._drained = False  # the socket's last read came back short
 
     # -- a served connection: the socket is non-blocking ------------------------------
@@ -51,11 +50,12 @@ class TlsSession:
     def has_output(self) -> bool:
         return bool(self._outgoing.pending)
 
-    def decrypt_into(self, sock: socket.socket, view: memoryview) -> int:
-        """Read plaintext into ``view``, reading the socket as needed: how many
-        bytes, 0 once the other side has closed. BlockingIOError if the socket
-        has nothing yet; the session may then have :meth:`output` for it (the
-        handshake's answers)."""
+    def decrypt_into(self, sock: socket.socket, view: memoryview, scratch: bytearray) -> int:
+        """Read plaintext into ``view``, reading the socket as needed, through
+        ``scratch`` (the reading thread's, so that a session holds no buffer
+        of that size): how many bytes, 0 once the other side has closed.
+        BlockingIOError if the socket has nothing yet; the session may then
+        have :meth:`output` for it (the handshake's answers)."""
         while True:
             if self._incoming.pending or self._session.pending():  # (else read() could only fail)
                 try:
@@ -64,11 +64,11 @@ class TlsSession:
                     pass
                 except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
                     return 0
-            got = sock.recv_into(self._received)
-            self._drained = got < len(self._received)
+            got = sock.recv_into(scratch)
+            self._drained = got < len(scratch)
             if not got:
                 return 0
-            self._incoming.write(memoryview(self._received)[:got])
+            self._incoming.write(memoryview(scratch)[:got])
 
     def holds_nothing(self) -> bool:
         """Whether everything read from the socket has been decrypted and taken."""
@@ -102,7 +102,7 @@ class TlsSession:
 
     def _pump(self, sock: socket.socket) -> None:
         sock.sendall(self.output())
-        data = sock.recv(_STAGING)
+        data = sock.recv(_RECEIVED)
         if not data:
             raise ConnectionClosed("the other side closed the connection in the TLS handshake")
         self._incoming.write(data)
