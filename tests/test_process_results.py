@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import process_helpers
 import pytest
@@ -65,3 +66,20 @@ def test_a_done_callback_on_an_unpickler_thread_may_shut_the_backend_down(tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "shut down [0, 1, 2]\n"
+
+
+def test_a_result_arrives_when_no_thread_can_be_started_to_unpickle_it(own_pool, monkeypatch):
+    # As while the interpreter finalizes: the manager unpickles it itself.
+    backend = own_pool(1)
+    assert backend.fork(add, 1).wait(timeout=60) == 1  # the manager is up
+    start = threading.Thread.start
+
+    def refuse_unpicklers(thread):
+        if thread.name.endswith("-unpickler"):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_unpicklers)
+    assert backend.fork(range, 3).wait(timeout=20) == range(3)
+    with pytest.raises(ZeroDivisionError):
+        backend.fork(divmod, 1, 0).wait(timeout=20)

@@ -631,9 +631,9 @@ class Pool:
             )
             if job.forks is not None:
                 record.on_remote_forks(job.forks)
-        if frame.kind == wire.RESULT and not frame.buffers and calls_no_code(frame.payload):
+        quick = frame.kind == wire.RESULT and not frame.buffers and calls_no_code(frame.payload)
+        if quick or not self._results.run(functools.partial(_settle_from, job, frame)):
             return job.future, _outcome(job, frame)
-        self._results.run(functools.partial(_settle_from, job, frame))
         return None
 
     @staticmethod

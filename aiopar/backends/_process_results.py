@@ -68,13 +68,15 @@ class Unpicklers:
         """Whether the calling thread is one of these."""
         return threading.current_thread() in self._threads
 
-    def run(self, work: Work) -> None:
-        """Run ``work`` on an idle thread, or on a new one if none is idle."""
+    def run(self, work: Work) -> bool:
+        """Run ``work`` on an idle thread, or on a new one if none is idle;
+        False if no thread could be started (as while the interpreter
+        finalizes), and then the caller is to run it."""
         with self._lock:
             self._count += 1
             if self._idle:
                 self._idle.pop().put(work)
-                return
+                return True
             thread = threading.Thread(
                 target=self._serve,
                 args=(work,),
@@ -83,7 +85,14 @@ class Unpicklers:
             )
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:
+            with self._lock:
+                self._count -= 1
+                self._threads.remove(thread)
+            return False
+        return True
 
     def _serve(self, work: Work | None) -> None:
         inbox: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
