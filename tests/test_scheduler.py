@@ -263,16 +263,16 @@ def test_a_worker_that_an_error_of_aiopar_stops_leaves_the_pool_working():
         from aiopar.backends import thread
 
         pool = aiopar.get_backend("thread", max_workers=1)
-        run_on_worker = thread.PoolTask.run_on_worker
+        run = thread.Task.run  # what a worker runs each task with
         failed = []
 
-        def first_run_fails(task, slot):
+        def first_run_fails(task, *args):
             if not failed:
                 failed.append(threading.current_thread())
                 raise RuntimeError("an error of aiopar's own")
-            run_on_worker(task, slot)
+            run(task, *args)
 
-        thread.PoolTask.run_on_worker = first_run_fails
+        thread.Task.run = first_run_fails
         futures = [pool.fork(int, "7") for _ in range(5)]
         print([f.wait(timeout=10) for f in futures], flush=True)  # never run by this thread
         failed[0].join(10)  # its report is written

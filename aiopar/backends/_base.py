@@ -75,16 +75,71 @@ class Task:
         for it here would never end (a coroutine on this thread's loop)."""
         return False
 
-    def run(self) -> None:
+    def run(
+        self,
+        context: Context | None = None,
+        starting: Callable[[], Callable[[], object] | None] | None = None,
+    ) -> None:
         """Run the call in this thread and settle the future, unless the task
-        was cancelled or another thread claimed it first."""
-        future = self.claim()
-        if future is not None:
-            self.settle(future, self.call())
-            del future  # a failure's traceback holds this frame: no cycle (see Future)
+        was cancelled or another thread claimed it first.
+
+        Every thread that runs a task runs it here: a pool's worker, a
+        thread that waits for it, the inline backend. The call runs in the
+        task's context; a task forked with no context variable set runs in
+        ``context`` if given (a pool's worker passes its own empty one, and
+        must replace it once a call leaves a variable set in it), else in a
+        fresh one. ``starting``, if given, is called once the task is
+        claimed, before the call (the thread's accounting in the budget),
+        and what it returns, if not None, once the call is over, whatever
+        it raised. The profiler's record, if any, starts and ends around
+        the call. Nothing the call raises escapes, but a Ctrl-C that
+        interrupted the main thread running it (see :meth:`settle`).
+        """
+        # claim(), without its call: this is the one Python call a pool's
+        # worker makes per task besides the task's function and its
+        # future's (tests/test_overhead.py counts them);
+        # tests/test_task.py checks that the two claim alike.
+        future = self.future
+        if future is None or not claim(future):
+            return
+        self.future = None
+        ended = None if starting is None else starting()
+        record = self.record
+        if record is not None:
+            record.on_start()
+        context = self.context or context  # an empty context is false
+        if context is None:
+            context = Context()
+        args, kwargs = self.args, self.kwargs
+        exception: BaseException | None
+        try:
+            # No "*" without arguments, no "**" without keywords: each
+            # builds a tuple or a dict for the call.
+            if kwargs:
+                result = context.run(self.fn, *args, **kwargs)
+            else:
+                result = context.run(self.fn, *args) if args else context.run(self.fn)
+        except BaseException as exc:
+            result, exception = None, exc
+        else:
+            exception = None
+        # Drop the call before settling: callbacks may run for a long time.
+        self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        del args, kwargs
+        if record is not None:
+            record.on_end()
+        if ended is not None:
+            ended()
+        if exception is None:
+            settle(future, result, None)
+        else:
+            self.settle(future, (None, exception))
+        del future, exception  # a failure's traceback holds this frame: no cycle (see Future)
 
     def claim(self) -> Future[Any] | None:
-        """The future, now RUNNING, if this thread may run the task; else None."""
+        """The future, now RUNNING, if this thread may run the task; else None.
+        For a thread that runs the task elsewhere (a worker process): one
+        that runs it here calls :meth:`run`, which claims it first."""
         future = self.future
         if future is None or not claim(future):
             return None
@@ -92,30 +147,6 @@ class Task:
         # not hold the future, and with it the result, meanwhile.
         self.future = None
         return future
-
-    def call(self) -> tuple[Any, BaseException | None]:
-        """Call the function (the profiler's start and end around it) and
-        return ``(result, exception)``; nothing it raises escapes."""
-        record = self.record
-        if record is not None:
-            record.on_start()
-        kwargs = self.kwargs
-        run = (self.context or Context()).run
-        try:
-            # Without keywords, no "**": it would build a dict for each call.
-            result = run(self.fn, *self.args, **kwargs) if kwargs else run(self.fn, *self.args)
-        except BaseException as exc:
-            outcome: tuple[Any, BaseException | None] = (None, exc)
-        else:
-            outcome = (result, None)
-        # Drop the call before settling: callbacks may run for a long time.
-        self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
-        if record is not None:
-            record.on_end()
-        try:
-            return outcome
-        finally:
-            del outcome  # a failure's traceback holds this frame: no cycle (see Future)
 
     @staticmethod
     def settle(future: Future[Any], outcome: tuple[Any, BaseException | None]) -> None:

@@ -11,9 +11,6 @@ well (large matrix products, big elementwise ufuncs); results agree with
 
 from __future__ import annotations
 
-from typing import Any
-
-from .._future import Future
 from .._waiter import get_waiter
 from .thread import PoolTask, ThreadBackend
 
@@ -27,10 +24,11 @@ class _LaneTask(PoolTask):
 
     __slots__ = ()
 
-    def claim(self) -> Future[Any] | None:
-        if getattr(get_waiter(), "pool", None) is not self.backend:
-            return None
-        return super().claim()
+    @property
+    def stealable(self) -> bool:  # type: ignore[override] # a property: whose thread asks
+        """Whether a thread that waits for the task may run it: the lane (or
+        its stand-in), a worker of this pool, only."""
+        return getattr(get_waiter(), "pool", None) is self.backend
 
 
 class OpenMPBackend(ThreadBackend):

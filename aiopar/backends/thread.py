@@ -83,7 +83,7 @@ class PoolTask(Task):
         with :meth:`Task.run` itself, accounting for its whole spell."""
         if starting is None and _budget_slots.hook is not None:
             starting = self._waiter_runs
-        super().run(context, starting)
+        Task.run(self, context, starting)  # not super(): it builds an object per call
 
     def _waiter_runs(self) -> Callable[[], object] | None:
         """The task is claimed by a thread that waits for it: tell the
