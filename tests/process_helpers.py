@@ -274,3 +274,11 @@ class SlowToLoad:
 
 def slow_to_load(gate: str) -> SlowToLoad:
     return SlowToLoad(gate)
+
+
+class Token:
+    """A value a weak reference can watch."""
+
+
+def make_token(_=None) -> Token:
+    return Token()

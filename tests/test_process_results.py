@@ -3,14 +3,16 @@ a result slow to unpickle holds up its own future only."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import threading
+import weakref
 
 import process_helpers
 import pytest
 from helpers import eventually
-from process_helpers import FileGate, add, run_script, slow_to_load
+from process_helpers import FileGate, add, make_token, run_script, slow_to_load
 
 from aiopar.backends._process_results import calls_no_code
 
@@ -83,3 +85,16 @@ def test_a_result_arrives_when_no_thread_can_be_started_to_unpickle_it(own_pool,
     assert backend.fork(range, 3).wait(timeout=20) == range(3)
     with pytest.raises(ZeroDivisionError):
         backend.fork(divmod, 1, 0).wait(timeout=20)
+
+
+def test_a_result_is_held_by_its_future_alone(own_pool):
+    # Once the future is gone, so is its value: no thread of the pool keeps
+    # it (concurrent.futures' test_free_reference asks this of map).
+    backend = own_pool(2)
+    forked = [backend.fork(make_token) for _ in range(4)]
+    for futures in (forked, backend.map(make_token, range(10))):
+        for i in range(len(futures)):
+            ref = weakref.ref(futures[i].wait(timeout=30))
+            futures[i] = None
+            gc.collect()
+            assert ref() is None, i

@@ -77,9 +77,13 @@ class Unpicklers:
             if self._idle:
                 self._idle.pop().put(work)
                 return True
+            # Handed over through its inbox, not as an argument, which the
+            # thread would keep (and the result with it) for as long as it lives.
+            inbox: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+            inbox.put(work)
             thread = threading.Thread(
                 target=self._serve,
-                args=(work,),
+                args=(inbox,),
                 name=f"{self._name}-unpickler",
                 daemon=True,
             )
@@ -94,8 +98,8 @@ class Unpicklers:
             return False
         return True
 
-    def _serve(self, work: Work | None) -> None:
-        inbox: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+    def _serve(self, inbox: queue.SimpleQueue[Work | None]) -> None:
+        work = inbox.get()
         while work is not None:
             work()
             del work  # the result it settled is the future's now
