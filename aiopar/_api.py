@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 import anyio
 
@@ -82,23 +82,25 @@ def map(
 
 def wait(fut: Future[T], timeout: float | None = None) -> T:
     """``fut.wait(timeout)``: block until done, then return the value or raise."""
-    return _check_future(fut, "wait()").wait(timeout)
-
-
-def _check_future(fut: Future[T], where: str) -> Future[T]:
-    """``fut``, if it is an aiopar Future (a caller may pass anything)."""
     if not isinstance(fut, Future):
-        raise TypeError(not_a_future_message(fut, where))
-    return fut
+        _refuse(fut, "wait()")
+    return fut.wait(timeout)
+
+
+def _refuse(obj: object, where: str) -> NoReturn:
+    """Raise the TypeError of ``where`` given ``obj``, which is no aiopar
+    Future. The callers test for one themselves: a batch of forks pays no
+    call per future."""
+    raise TypeError(not_a_future_message(obj, where))
 
 
 def _future_list(futs: Iterable[Future[Any]], where: str) -> list[Future[Any]]:
     if isinstance(futs, Future):
         raise TypeError(f"{where} takes an iterable of futures, got a single Future")
     futures = list(futs)
-    for fut in futures:  # _check_future() inline: a batch of forks pays no call each
+    for fut in futures:
         if not isinstance(fut, Future):
-            raise TypeError(not_a_future_message(fut, where))
+            _refuse(fut, where)
     return futures
 
 

@@ -74,7 +74,7 @@ def block(waiter: threading.Lock, timeout: float | None, task: Any) -> bool:
     records the time against ``task``. On the main thread, Ctrl-C ends the
     wait (see :mod:`aiopar._interrupt`).
     """
-    owner = _waiter.local.__dict__.get("waiter")  # get_waiter() inline: a call fewer
+    owner = _waiter.get_waiter()
     profiler = _trace.active
     started = time.perf_counter() if profiler is not None else 0.0
     blocked_long = _waiter.BLOCKED_LONG

@@ -330,14 +330,8 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
-        if (state := self._state) is PENDING or state is RUNNING:
-            # _block() inline: wait(fork(f)) reaches f a call sooner (help_first runs it).
-            task = self._task
-            help_first(self, task, timeout)
-            if self._state in _WAITING and not self._sleep(timeout, task):
-                raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
-        if self._state is FINISHED and self._exception is None:
-            return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
+        if not self._block(timeout):
+            raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         try:
             return self.value()
         finally:
@@ -350,8 +344,6 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         so a future that is not done raises TimeoutError at once
         (``Executor.map`` passes negative timeouts once its deadline passes).
         """
-        if timeout is None and self._state is FINISHED and self._exception is None:
-            return self._result  # type: ignore[no-any-return]  # the common case, inline
         try:
             return self.wait(cf_timeout(timeout))
         finally:
@@ -555,8 +547,6 @@ class Future(Generic[T], concurrent.futures.Future[T]):
             # A cancelled await cancels the future, which stops its task if
             # it has not started.
             yield from wait_on_loop(self._add_callback, self.cancel)
-        if self._state is FINISHED and self._exception is None:
-            return self._result  # type: ignore[no-any-return]  # value()'s common case, inline
         try:
             return self.value()
         except StopIteration as exc:
