@@ -18,7 +18,9 @@ one before (a line on each rank's stdin), and reports, for each world size:
   waits until every rank has called it.
 
 Also the load average (1 min) before and after each world, as a shared
-machine's load moves every figure. Everything listens on 127.0.0.1; every
+machine's load moves every figure; with ``--settle L``, each world waits
+first (at most ``--settle-timeout`` seconds) for the load to fall below L,
+its predecessor's ranks included. Everything listens on 127.0.0.1; every
 process a world started is killed when it ends or fails, and a world that
 takes longer than ``--timeout`` seconds is killed and reported as such.
 
@@ -83,6 +85,13 @@ def free_port() -> int:
 
 def load() -> float:
     return os.getloadavg()[0]
+
+
+def settle(below: float, timeout: float) -> None:
+    """Wait until the load average (1 min) is below ``below``, or ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while load() >= below and time.monotonic() < deadline:
+        time.sleep(5)
 
 
 class World:
@@ -172,8 +181,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--timeout", type=float, default=600, help="seconds a world may take")
+    parser.add_argument("--settle", type=float, help="the load to wait for before each world")
+    parser.add_argument("--settle-timeout", type=float, default=300)
     args = parser.parse_args()
     for size in args.peers:
+        if args.settle is not None:
+            settle(args.settle, args.settle_timeout)
         row = measure(size, args.timeout)
         print(
             "  ".join(
