@@ -335,14 +335,7 @@ def drain() -> Future[None]:
 def _drain_into(drained: Future[None]) -> None:
     """Drain every live backend (see :func:`drain`), then settle ``drained``."""
     try:
-        # Tasks may fork on other backends and on aiopar's own loop, and
-        # coroutine forks wait for tasks: round after round until all are quiet.
-        busy = True
-        while busy:
-            _loop.finish_owned_loop()
-            busy = False
-            for backend in list(_exit._live_backends):
-                busy = backend.drain() or busy
+        _exit.drain_every_backend()
     except BaseException as exc:
         settle(drained, None, exc)
         del drained  # the exception's traceback holds this frame: no cycle (see Future)

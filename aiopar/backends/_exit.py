@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from .. import _interrupt, _loop
 from .._log import logger as _logger
 
-__all__ = ["Stoppable", "at_exit", "track"]
+__all__ = ["Stoppable", "at_exit", "drain_every_backend", "track"]
 
 
 class Stoppable(Protocol):
@@ -134,20 +134,28 @@ def _drain_all(backends: list[Stoppable]) -> None:
     what is queued (coroutine forks on aiopar's own loop too) until nothing
     is left anywhere, then the plugins' exit hooks."""
     if not _interrupted():
-        # Tasks may fork on other backends and on the loop, and coroutine
-        # forks wait for tasks: round after round until all are quiet.
-        busy = True
-        while busy:
-            _loop.finish_owned_loop()
-            busy = False
-            for backend in backends:
-                busy = backend.drain() or busy
+        drain_every_backend()
     while _exit_hooks:
         hook = _exit_hooks.pop()
         try:
             hook()
         except Exception:
             _logger.exception("exception in the aiopar exit hook %r", hook)
+
+
+def drain_every_backend() -> None:
+    """Return once every live backend, and aiopar's own event loop, has
+    nothing left to run: each backend drains as its ``drain()`` does, round
+    after round until none had anything left, so a backend made meanwhile
+    is drained too. The backends stay open."""
+    # Tasks may fork on other backends and on the loop, and coroutine forks
+    # wait for tasks: round after round until all are quiet.
+    busy = True
+    while busy:
+        _loop.finish_owned_loop()
+        busy = False
+        for backend in list(_live_backends):
+            busy = backend.drain() or busy
 
 
 def _shutdown_all(backends: list[Stoppable]) -> None:
