@@ -46,7 +46,6 @@ __all__ = [
     "FailureWatch",
     "Future",
     "add_callback",
-    "attach_task",
     "block_until_done",
     "claim",
     "copy_outcome",
@@ -852,12 +851,16 @@ def _index_of_failed(futures: list[Future[Any]]) -> int | None:
 # -- the internal interface ----------------------------------------------------
 #
 # What the rest of aiopar does to a future beyond its public methods: a
-# backend attaches the task that settles it, claims it and settles it; the
-# API blocks on it and reads whether it failed. Other modules use these
-# names, never a future's private fields. Each is the Future's own method
-# (or, for attach_task, its slot's setter), so calling one costs what
+# backend claims it and settles it; the API blocks on it and reads whether
+# it failed. Other modules use these names, never a future's private
+# fields. Each is the Future's own method, so calling one costs what
 # calling the method did: no Python call is added on the hot path, whose
 # calls tests/test_overhead.py counts.
+#
+# One exception: Backend.fork and submit_chunk store a forked task's future's
+# ``_task`` themselves (the task that settles it, which a waiter may run:
+# see _blocking.help_first), once, before the task is queued. A call for it,
+# even a C one (the slot's setter), cost 5% of a batch of forks.
 
 #: ``claim(fut)``: PENDING -> RUNNING, for the one thread that will run its
 #: task; False if it was cancelled or claimed already.
@@ -867,11 +870,6 @@ claim: Callable[[Future[Any]], bool] = Future._claim
 #: ``exception`` if it is not None), waiters woken and callbacks run; False
 #: if the future was done already. A forked task's future is settled only so.
 settle: Callable[[Future[Any], Any, BaseException | None], bool] = Future._settle
-
-#: ``attach_task(fut, task)``: ``task`` is what settles ``fut`` (a waiter
-#: may run it, see ``_blocking.help_first``); set once, before the task is
-#: queued. A C call (the slot's setter), not a Python one: every fork pays it.
-attach_task: Callable[[Future[Any], Any], None] = Future._task.__set__  # type: ignore[misc]
 
 #: ``retrieve(fut)``: its exception or None; the failure now counts as read,
 #: so it is not logged when the future goes.

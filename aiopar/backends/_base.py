@@ -21,7 +21,7 @@ from typing import Any, ClassVar, NoReturn, TypeVar
 from .. import _loop, _trace
 from .._checks import check_count
 from .._errors import CancelledError
-from .._future import Future, add_callback, attach_task, claim, retrieve, settle
+from .._future import Future, add_callback, claim, retrieve, settle
 from .._interrupt import on_main_thread
 from . import _exit
 
@@ -299,7 +299,8 @@ class Backend(ABC):
         profiler = _trace.active
         if profiler is not None:
             task.record = profiler.on_fork(task)
-        attach_task(future, task)
+        # A store, not a call: see "the internal interface" in aiopar._future.
+        future._task = task
         self.enqueue(task)
         return future
 
@@ -356,7 +357,7 @@ class Backend(ABC):
         if profiler is not None:
             task.record = profiler.on_fork(task)
         for future in futures:
-            attach_task(future, task)
+            future._task = task  # see fork
         self.enqueue(task)
         return futures
 
