@@ -611,9 +611,12 @@ def test_a_tls_scheduler_at_a_tcp_address_is_reached_with_the_certificates_given
             assert aiopar.fork(double, 5).wait() == 10
             assert backend.client.scheduler.address == f"tls://127.0.0.1:{port}"
         backend.shutdown()
-        with pytest.raises(OSError, match="takes TLS only"):  # no certificates: said so
-            with aiopar.use_backend("dask", address=address):
-                pass
+        # no certificates: said so
+        with (
+            pytest.raises(OSError, match="takes TLS only"),
+            aiopar.use_backend("dask", address=address),
+        ):
+            pass
 
 
 def test_a_scheduler_without_tls_when_encryption_is_required_is_named_so():
@@ -621,9 +624,11 @@ def test_a_scheduler_without_tls_when_encryption_is_required_is_named_so():
     with loopback_cluster(n_workers=0) as cluster:
         address = cluster.scheduler_address
         tls = distributed.Security(require_encryption=True)
-        with pytest.raises(OSError, match="requires encryption") as raised:
-            with aiopar.use_backend("dask", address=address, security=tls, timeout=10):
-                pass
+        with (
+            pytest.raises(OSError, match="requires encryption") as raised,
+            aiopar.use_backend("dask", address=address, security=tls, timeout=10),
+        ):
+            pass
         assert "no dask scheduler" not in str(raised.value)
         assert address in str(raised.value)
 
