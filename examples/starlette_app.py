@@ -75,7 +75,7 @@ async def health(request: Request) -> PlainTextResponse:
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     yield
-    # The thread pools run what is still queued before the process goes.
+    # Every backend runs what is still queued before the process goes.
     await aiopar.drain()
 
 

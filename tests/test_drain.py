@@ -135,7 +135,6 @@ def test_without_the_drain_a_signal_loses_the_queued_work():
     assert len(ran(done.stdout)) < len(EVERYTHING)
 
 
-@pytest.mark.xfail(reason="the process backend has no drain() of its own yet", strict=False)
 def test_drain_waits_for_the_process_backend():
     out = run_child(
         """
@@ -147,6 +146,26 @@ def test_drain_waits_for_the_process_backend():
         """
     )
     assert out.splitlines()[-1] == "3"
+
+
+def test_drain_waits_for_process_results_unpickled_aside_and_what_their_callbacks_fork():
+    # A Fraction's pickle names its class, so an unpickler thread, not the
+    # manager, loads it and runs the callback, which forks on the default pool.
+    out = run_child(
+        """
+        from fractions import Fraction
+        procs = aiopar.get_backend("process", max_workers=2)
+        for n in range(6):
+            fut = procs.fork(Fraction, n, 7)
+            fut.add_done_callback(lambda f: aiopar.fork(say, f"result {f.result()}"))
+        gate.set()
+        aiopar.drain().wait(timeout=60)
+        print("drained", flush=True)
+        os._exit(0)  # no exit hook: only the drain ran them
+        """
+    )
+    assert ran(out) == EVERYTHING | {f"ran result {n}/7" if n else "ran result 0" for n in range(6)}
+    assert out.splitlines()[-1] == "drained"
 
 
 # -- where it cannot run ---------------------------------------------------------

@@ -380,3 +380,26 @@ def test_exit_says_which_task_it_waits_for_and_ctrl_c_ends_it_on_every_backend(b
         proc.communicate()
     assert "aiopar: interrupted again, exiting without waiting" in rest
     assert "Traceback" not in rest and "Exception ignored" not in rest, rest
+
+
+def test_exit_waiting_for_a_process_task_says_so_in_one_line():
+    # The process pool said it waits in a line of its own, beside exit's.
+    done = run_python(
+        """
+        import time, aiopar
+
+        def finishes_late():
+            time.sleep(2.5)
+            print("finished", flush=True)
+
+        backend = aiopar.get_backend("process", max_workers=1, grace=3600)
+        fut = backend.fork(finishes_late)
+        while not fut.running():  # on a worker when exit begins
+            time.sleep(0.01)
+        """,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "finished\n"
+    waiting = [line for line in done.stderr.splitlines() if "waiting" in line]
+    assert len(waiting) == 1 and "finishes_late (process)" in waiting[0], done.stderr

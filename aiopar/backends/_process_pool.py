@@ -122,12 +122,15 @@ class Pool:
         self.pid = os.getpid()
         self.segments = SegmentPool()  # what calls are packed into
         self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)  # notified for drain()
+        self._draining = 0  # threads in drain()
+        self._rounds = 0  # rounds the manager has finished (see drain)
         self._pending: deque[Job] = deque()
         self._workers: list[PoolWorker] = []
         self._idle: list[PoolWorker] = []
         self._starting = 0  # workers started and not ready yet
         self._start_failures = 0
-        self._results = Unpicklers(self._name, self._wake_if_closed)  # see _on_outcome
+        self._results = Unpicklers(self._name, self._results_idle)  # see _on_outcome
         self._manager: threading.Thread | None = None
         self._dispatch_asked = False  # the manager has been woken to send what is queued
         self._unsure: tuple[PoolWorker, Job] | None = None  # see _send_now
@@ -329,6 +332,8 @@ class Pool:
         # Called with the lock held.
         worker.inflight.append(job)
         worker.handed += 1
+        if self._renew:  # at exit: a job that starts after a quiet spell has its whole grace
+            self._deadline = time.monotonic() + self.grace  # type: ignore[operator]
         self._transmit(worker, job)
 
     def _transmit(self, worker: Worker, job: Job) -> None:
@@ -362,11 +367,18 @@ class Pool:
                 with contextlib.suppress(BlockingIOError):
                     os.write(self._wake_w, b"\0")
 
-    def _wake_if_closed(self) -> None:
-        # The manager waits for the unpicklers only to stop: it reads
-        # ``closed`` before their work count, and they the other way round.
+    def _results_idle(self) -> None:
+        # The manager waits for the unpicklers only to stop, and drain() for
+        # them to be done: each reads its flag after the work count went
+        # down, and the manager and drain() read that count after the flag.
         if self.closed:
             self._wake()
+        if self._draining:
+            self._tell_drainers()
+
+    def _tell_drainers(self) -> None:
+        with self._lock:
+            self._quiet.notify_all()
 
     def _start_manager(self) -> None:
         # Called with the lock held.
@@ -416,6 +428,9 @@ class Pool:
                 if settles and self._settle_all(settles, generation):
                     handed_off = True
                     return
+                self._rounds += 1  # before reading _draining: see _results_idle
+                if self._draining:
+                    self._tell_drainers()
                 if stop:
                     break
                 for fileobj, worker in watch.ready():
@@ -724,6 +739,44 @@ class Pool:
         self._dispatch()
         return losses
 
+    # -- draining --------------------------------------------------------------
+
+    def drain(self) -> bool:
+        """Return once no job is queued, on a worker or being unpickled, and
+        every future of one that was is settled; True if there was one to
+        wait for. The pool stays open, so jobs submitted meanwhile are
+        waited for too. Waits in slices of :data:`aiopar._interrupt.SLICE`,
+        so that Ctrl-C ends it on the main thread."""
+        waited = False
+        with self._lock:
+            self._draining += 1
+            try:
+                while True:
+                    if not self._quiet_now():
+                        waited = True
+                        self._quiet.wait(_interrupt.SLICE)
+                    elif self._round_passed():
+                        return waited
+            finally:
+                self._draining -= 1
+
+    def _quiet_now(self) -> bool:
+        # Called with the lock held.
+        return not self._pending and not self._busy() and not self._results.busy
+
+    def _round_passed(self) -> bool:
+        """Wait for the manager to end the round it is in, whose outcomes
+        it settles last, after the jobs have left the workers; True if the
+        pool was still quiet then. Called with the lock held."""
+        manager = self._manager
+        if manager is None or not manager.is_alive():
+            return True
+        seen = self._rounds
+        self._wake()
+        while self._rounds == seen and manager is self._manager and manager.is_alive():
+            self._quiet.wait(_interrupt.SLICE)
+        return self._quiet_now()
+
     # -- stopping --------------------------------------------------------------
 
     def close(self, cancel_pending: bool, why: str | None, *, renew: bool = False) -> None:
@@ -737,10 +790,8 @@ class Pool:
             if cancel_pending:
                 queued = list(self._pending)
                 self._pending.clear()
-            if why is not None and self.grace is not None and self._deadline is None:
-                self._deadline = time.monotonic() + self.grace
-                self._renew = renew
-                self._why_terminated = why
+            if why is not None:
+                self._arm_deadline(why, renew)
             manager = self._manager
         for job in queued:  # none started, though one may have been sent to a worker that died
             job.packed.discard()
@@ -749,6 +800,25 @@ class Pool:
             self.segments.close()
         else:
             self._wake()
+
+    def _arm_deadline(self, why: str, renew: bool) -> None:
+        """Terminate the workers still running a job ``grace`` seconds from
+        now (``renew``: from the last job that finished), telling their
+        futures ``why``; unless a deadline is set already. Called with the
+        lock held."""
+        if self.grace is not None and self._deadline is None:
+            self._deadline = time.monotonic() + self.grace
+            self._renew = renew
+            self._why_terminated = why
+
+    def at_exit(self) -> None:
+        """The interpreter begins to exit: what is queued still runs (exit
+        drains the pool), but once ``grace`` seconds pass with no job
+        finishing, the workers still running one are terminated and the
+        rest of the queue is cancelled."""
+        with self._lock:
+            self._arm_deadline(_exiting_why(self.grace), renew=True)
+        self._wake()  # the manager sleeps until the deadline at most
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the manager to finish; False if ``timeout`` passed first.
@@ -1020,32 +1090,43 @@ def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None
         )
 
 
-# Registered after the Backend base class's own exit hook (``._base`` is
-# imported first), so it runs first (atexit runs in reverse) and that one
-# finds these pools stopped.
+def _interrupted() -> bool:
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+
+
+def _exiting_why(grace: float | None) -> str:
+    return f"the interpreter is exiting and no task finished for {grace} s"
+
+
+def _bound_exit_drain() -> None:
+    # Exit's first stage drains every backend (backends._exit): bounded by
+    # each pool's grace from its start, so a task that never returns does
+    # not hold exit for ever.
+    if not _interrupted():
+        for pool in list(_live):
+            pool.at_exit()
+
+
+# Registered after exit's own hooks (``._base`` imports ``._exit`` first),
+# so each runs first (both kinds run in reverse): the drain starts with
+# the deadline set, and exit's shutdown finds these pools stopped. While
+# they wait, exit names the running tasks, once (backends._exit).
+with contextlib.suppress(RuntimeError):  # imported as threads are joined: no drain follows
+    threading._register_atexit(_bound_exit_drain)  # type: ignore[attr-defined]
+
+
 @atexit.register
 def _stop_at_exit() -> None:
-    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    interrupted = _interrupted()
     pools = list(_live)
     for pool in pools:
         if interrupted:
             why = f"still running {pool.grace} s after an uncaught KeyboardInterrupt"
             pool.close(True, why)
         else:
-            why = f"the interpreter is exiting and no task finished for {pool.grace} s"
-            pool.close(False, why, renew=True)
+            pool.close(False, _exiting_why(pool.grace), renew=True)
     for pool in pools:
-        if not pool.join(timeout=1.0):
-            # Idle workers take a while to exit on a busy machine: only
-            # running tasks are worth a word.
-            if pool.running_tasks():
-                _logger.warning(
-                    "%s: waiting for its running tasks before the interpreter exits "
-                    "(a worker is terminated once no task has finished for %s s)",
-                    pool.label,
-                    pool.grace,
-                )
-            pool.join()
+        pool.join()
 
 
 def _after_fork_in_child() -> None:

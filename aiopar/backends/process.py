@@ -286,6 +286,15 @@ class ProcessBackend(Backend):
     def running_tasks(self) -> list[str]:
         return self._pool.running_tasks()
 
+    def drain(self) -> bool:
+        """Return once no task of this backend is queued, running on a
+        worker or having its result unpickled, and every one that was is
+        done; True if there was one to wait for. The backend stays open:
+        tasks forked meanwhile are waited for too. At interpreter exit, once
+        ``grace`` seconds pass with no task finishing, the workers still
+        running one are terminated and the rest is cancelled (see the class)."""
+        return self._pool.drain()
+
     # -- shutting down -------------------------------------------------------
 
     def shutdown(self, wait: bool = True, *, cancel_pending: bool = False) -> None:
