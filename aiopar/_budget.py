@@ -331,7 +331,7 @@ class Budget:
     def set_explicit(self, n: int | None, source: str | None) -> None:
         with self.lock:
             self.explicit, self.explicit_from = n, source
-            self._scan()
+            self.scan()
             if n is None:
                 # Rule 5: only open threadpoolctl blocks still hold. Rule 4
                 # waits for no earlier crowd: the budget's count applies now.
@@ -384,7 +384,7 @@ class Budget:
     # Called with self.lock held.
     def _apply(self, n: int, *, override: bool = False) -> None:
         if len(sys.modules) != self.modules_seen:
-            self._scan()  # a new import may have loaded another BLAS
+            self.scan()  # a new import may have loaded another BLAS
         counts, held = self.counts, self.held
         for lib, set_num_threads, get_num_threads in zip(
             self.process_wide, self.setters, self.getters, strict=True
@@ -436,7 +436,9 @@ class Budget:
                 _logger.exception("could not set the thread count of %s", lib.filepath)
         local.applied = n
 
-    def _scan(self) -> None:
+    def scan(self) -> None:
+        """Look again at the BLAS and OpenMP libraries loaded in the process
+        (threadpoolctl's view). Called with :attr:`lock` held."""
         from threadpoolctl import ThreadpoolController
 
         self.modules_seen = len(sys.modules)
@@ -463,7 +465,7 @@ class Budget:
         none) and ``"aiopar_count"`` (the count the budget gave it).
         """
         with self.lock:
-            self._scan()
+            self.scan()
             infos: list[dict[str, Any]] = self.controller.info()
             by_path = {lib.filepath: lib for lib in self.process_wide}
             for info in infos:

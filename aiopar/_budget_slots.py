@@ -329,7 +329,7 @@ def probe() -> None:
     Pools call it off the fork path: when a worker starts, goes idle or blocks."""
     if hook is None and len(sys.modules) != budget.modules_seen:
         with budget.lock:
-            budget._scan()
+            budget.scan()
 
 
 def _after_fork_in_child() -> None:
