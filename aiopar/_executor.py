@@ -47,8 +47,9 @@ class Executor(concurrent.futures.Executor):
     ``initializer(*initargs)`` before its first call; if that raises, the
     calls fail with a :class:`~concurrent.futures.BrokenExecutor`: a thread
     pool is broken, and its pending and later calls fail with
-    ``BrokenThreadPool``; a process worker logs the error and exits, and
-    once three in a row have, the calls fail with ``BrokenProcessPool``.
+    ``BrokenThreadPool``; a process worker logs the error and exits, which
+    breaks its pool: the pending and later calls fail with
+    ``BrokenProcessPool``, and no worker starts after it.
     Process workers always start as fresh
     interpreters, as the "spawn" start method does; an ``mp_context`` of
     "fork" starts them so too (they do not inherit this process's memory).

@@ -153,6 +153,20 @@ def test_a_failing_initializer_fails_the_calls_with_a_broken_process_pool_and_lo
     executor.shutdown()
 
 
+def test_the_first_failing_initializer_breaks_the_process_pool():
+    # Calls failed only once three workers in a row had died at start, and
+    # later calls started new workers.
+    executor = aiopar.Executor("process", 2, initializer=init_fail)
+    futures = [executor.submit(status) for _ in range(4)]
+    for fut in futures:
+        with pytest.raises(BrokenProcessPool, match="initializer of a worker process raised"):
+            fut.result(LIMIT)
+    with pytest.raises(BrokenProcessPool, match=r"is broken: the initializer .* raised"):
+        executor.submit(status)
+    assert next(executor.backend._pool._worker_index) <= 2  # none started after the break
+    executor.shutdown()
+
+
 def test_initargs_carry_multiprocessing_locks_and_queues_to_the_workers():
     context = multiprocessing.get_context("spawn")
     results, lock = context.Queue(), context.Lock()

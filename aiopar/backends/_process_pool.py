@@ -40,7 +40,7 @@ from .._shm import SegmentPool
 from .._waiter import set_waiter
 from . import _process_wire as wire
 from ._base import Task
-from ._process_handle import Job, Worker, describe_exit
+from ._process_handle import INITIALIZER_FAILED, Job, Worker, describe_exit
 from ._process_pickle import Packed, remote_exception, unpickling_failed
 from ._process_results import Unpicklers, calls_no_code
 
@@ -119,6 +119,7 @@ class Pool:
     def _fresh_state(self) -> None:
         """No workers, no queue, no manager: a new pool, or a child's after os.fork()."""
         self.closed = False
+        self.broken: str | None = None  # why, once a worker's initializer raised
         self.pid = os.getpid()
         self.segments = SegmentPool()  # what calls are packed into
         self._lock = threading.Lock()
@@ -176,8 +177,12 @@ class Pool:
     # -- submitting ----------------------------------------------------------
 
     def check_open(self) -> None:
-        """Raise RuntimeError unless the pool takes jobs from this process."""
+        """Raise RuntimeError unless the pool takes jobs from this process:
+        :class:`~aiopar.BrokenWorkerError`, a ``BrokenProcessPool``, once a
+        worker's initializer raised."""
         if self.closed:
+            if self.broken is not None:
+                raise BrokenWorkerError(self._broken_message())
             raise RuntimeError(f"cannot fork on {self.label}: it has been shut down")
         if os.getpid() != self.pid:  # forked by C code that ran no at-fork hooks
             raise RuntimeError(
@@ -196,7 +201,7 @@ class Pool:
         with self._lock:
             if self.closed:
                 job.packed.discard()
-                raise RuntimeError(f"cannot fork on {self.label}: it has been shut down")
+                self.check_open()
             if _interrupt.on_main_thread():
                 self._submit_on_main_thread(job)
                 return
@@ -688,7 +693,7 @@ class Pool:
             self._read_last_frames(worker, settles)
         returncode = worker.process.wait()
         with self._lock:
-            losses = self._drop(worker, describe_exit(returncode))
+            losses = self._drop(worker, returncode)
         worker.unregister(watch.selector)  # before closing: the numbers may be reused
         worker.close()
         for job, message in losses:
@@ -711,10 +716,12 @@ class Pool:
                     worker.broken = str(exc)
                     return
 
-    def _drop(self, worker: PoolWorker, cause: str) -> list[tuple[Job, str | None]]:
-        """Take the exited worker off the pool; requeue what it had not
-        started; return the jobs to fail, each with what to tell (None: to
-        cancel, it never started). Called with the lock held."""
+    def _drop(self, worker: PoolWorker, returncode: int) -> list[tuple[Job, str | None]]:
+        """Take the worker, which exited with ``returncode``, off the pool;
+        requeue what it had not started; return the jobs to fail, each with
+        what to tell (None: to cancel, it never started). Called with the
+        lock held."""
+        cause = describe_exit(returncode)
         self._finish_send()
         self._workers.remove(worker)
         if worker in self._idle:
@@ -731,13 +738,34 @@ class Pool:
             del jobs[1:]
         self.segments.release_owner(worker)
         losses = _losses(worker, cause, jobs)
-        if not worker.ready and not self.closed:
+        if not worker.ready and not self.closed and returncode == INITIALIZER_FAILED:
+            losses += self._break_pool(f"the initializer of a worker process raised ({cause})")
+        elif not worker.ready and not self.closed:
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
                 losses += [(job, _never_run(job, cause)) for job in self._pending]
                 self._pending.clear()
         self._dispatch()
         return losses
+
+    def _break_pool(self, reason: str) -> list[tuple[Job, str | None]]:
+        """Break the pool, as concurrent.futures breaks one whose initializer
+        raised: it takes no more jobs (:meth:`check_open` says ``reason``),
+        its queued jobs fail, and the jobs its workers run finish. Returns
+        the queued jobs, each with what to tell. Called with the lock held."""
+        self.broken = reason
+        self.closed = True
+        losses: list[tuple[Job, str | None]] = [
+            (job, f"{job.name}() never ran: {self._broken_message()}") for job in self._pending
+        ]
+        self._pending.clear()
+        return losses
+
+    def _broken_message(self) -> str:
+        return (
+            f"{self.label} is broken: {self.broken}; its error output is above. Create a "
+            f"new pool (and fix the initializer)"
+        )
 
     # -- draining --------------------------------------------------------------
 

@@ -168,7 +168,11 @@ class ProcessBackend(Backend):
     what multiprocessing lets a starting child have, the locks, queues and
     ``Manager()`` proxies of a "spawn" or "forkserver" context (workers
     share this process's authkey). A worker whose initializer raises logs
-    the error on the ``concurrent.futures`` logger and exits.
+    the error on the ``concurrent.futures`` logger and exits, and the pool
+    is broken, as ProcessPoolExecutor's is: no worker starts after it, and
+    the queued tasks and every later fork fail with
+    :class:`~aiopar.BrokenWorkerError`, a ``BrokenProcessPool``; tasks
+    already running on other workers finish.
     ``mp_context`` is accepted for ProcessPoolExecutor's sake: whatever its
     start method, workers are fresh interpreters, as "spawn" starts them, so
     under "fork" too they do not inherit this process's memory.
