@@ -145,9 +145,11 @@ QUEUED_THEN_INTERRUPTED = """
         say(f"started {{i}}")
         # Runs until the test lets it go, which it does only once exit has
         # begun to wait for the running tasks: by then the queued ones must
-        # have been cancelled, however slowly a loaded machine got there.
+        # have been cancelled, however slowly a loaded machine got there. It
+        # computes meanwhile: a task blocked in a sleep would get a stand-in
+        # worker, which would start the queued ones.
         while not os.path.exists({release!r}):
-            time.sleep(0.01)
+            pass
         say(f"finished {{i}}")
 
     futs = [aiopar.fork(task, i) for i in range(20)]

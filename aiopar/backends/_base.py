@@ -30,7 +30,7 @@ __all__ = ["Backend", "Task", "check_count", "chunk_size"]
 T = TypeVar("T")
 
 _CO_COROUTINE = inspect.CO_COROUTINE
-_NO_KWARGS: dict[str, Any] = {}  # never changed: Task.call only unpacks it
+_NO_KWARGS: dict[str, Any] = {}  # never changed: Task.run only unpacks it
 
 
 class Task:
