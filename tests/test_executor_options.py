@@ -9,6 +9,7 @@ name."""
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import logging.handlers
 import multiprocessing
@@ -17,6 +18,7 @@ import pickle
 import queue
 import sys
 import threading
+import weakref
 from concurrent.futures.process import BrokenProcessPool
 from concurrent.futures.thread import BrokenThreadPool
 
@@ -165,6 +167,29 @@ def test_the_first_failing_initializer_breaks_the_process_pool():
         executor.submit(status)
     assert next(executor.backend._pool._worker_index) <= 2  # none started after the break
     executor.shutdown()
+
+
+def test_a_shut_down_process_pool_lets_go_of_its_initargs():
+    # The pool kept them for its life: a multiprocessing queue's semaphores
+    # outlived the shutdown (CPython's FailingInitializerResourcesTest saw
+    # them leaked). Without the collector, which a cycle would need.
+    context = multiprocessing.get_context("spawn")
+    log_queue = context.Queue()
+    gone = weakref.ref(log_queue)
+    executor = aiopar.Executor(
+        "process", 2, mp_context=context, initializer=init_fail, initargs=(log_queue,)
+    )
+    del log_queue
+    gc.disable()
+    try:
+        with pytest.raises(BrokenProcessPool):
+            executor.submit(status).result(LIMIT)
+        with pytest.raises(BrokenProcessPool):
+            executor.submit(status)  # a task made and refused: it refers to the pool
+        executor.shutdown()
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_initargs_carry_multiprocessing_locks_and_queues_to_the_workers():

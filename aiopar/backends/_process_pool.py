@@ -501,6 +501,16 @@ class Pool:
             self._wake_r = self._wake_w = -1
         self._results.stop()
         self._results.join()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Let go of what only a running pool needs, once it is closed and
+        its manager is gone: no worker starts again, so the initializer and
+        its ``initargs`` go, as concurrent.futures' executors let theirs go
+        at shutdown (multiprocessing's queues and locks among them are
+        freed with their semaphores while a future that refers to this pool
+        lives on)."""
+        self._worker_options = {}
         self.segments.close()
 
     def _settle_all(self, settles: list[Settle], generation: int) -> bool:
@@ -825,7 +835,7 @@ class Pool:
             job.packed.discard()
             settle(job.future, None)
         if manager is None:
-            self.segments.close()
+            self._let_go()
         else:
             self._wake()
 
