@@ -6,6 +6,7 @@ so for whatever another test may have left running."""
 
 from __future__ import annotations
 
+import fractions
 import signal
 import textwrap
 import threading
@@ -195,6 +196,16 @@ def test_drain_in_a_pool_task_or_its_callback_raises_at_once():
     on_a_worker(lambda: opened.set_result(None)).wait(timeout=30)
     with pytest.raises(RuntimeError, match="a thread that runs aiopar tasks"):
         raised.wait(timeout=30)
+
+
+def test_drain_in_a_process_future_s_callback_raises_at_once():
+    # A Fraction's pickle names its class, so an unpickler thread loads it
+    # and runs the callback: there the drain waited for itself.
+    procs = aiopar.get_backend("process", max_workers=1)
+    for value in (3, fractions.Fraction(1, 3)):  # settled by the manager, by an unpickler
+        raised = procs.fork(abs, value).then(lambda _: aiopar.drain())
+        with pytest.raises(RuntimeError, match="a thread that runs aiopar tasks"):
+            raised.wait(timeout=30)
 
 
 def test_drain_in_a_coroutine_on_aiopar_s_own_loop_or_a_loop_in_a_task_raises():

@@ -131,7 +131,7 @@ class Pool:
         self._idle: list[PoolWorker] = []
         self._starting = 0  # workers started and not ready yet
         self._start_failures = 0
-        self._results = Unpicklers(self._name, self._results_idle)  # see _on_outcome
+        self._results = Unpicklers(self._name, self._results_idle, self)  # see _on_outcome
         self._manager: threading.Thread | None = None
         self._dispatch_asked = False  # the manager has been woken to send what is queued
         self._unsure: tuple[PoolWorker, Job] | None = None  # see _send_now
@@ -401,10 +401,11 @@ class Pool:
         )
         self._manager.start()
 
-    # The waiter protocol of the manager thread: Future.wait calls these in
-    # it when a done-callback run there blocks (say, on another process
-    # task). A new manager takes over, so the results that callback waits
-    # for still arrive; the blocked thread exits once its callback returns.
+    # The waiter protocol of the manager and unpickler threads: Future.wait
+    # calls these in one when a done-callback run there blocks (say, on
+    # another process task). If it is the manager, a new one takes over, so
+    # the results that callback waits for still arrive; the blocked thread
+    # exits once its callback returns. An unpickler blocks no other result.
     def blocked(self) -> None:
         with self._lock:
             if self._manager is threading.current_thread():

@@ -16,6 +16,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from .._waiter import Waiter, set_waiter
+
 __all__ = ["QUICK_PICKLE", "Unpicklers", "calls_no_code"]
 
 #: the largest pickle the manager thread loads itself
@@ -47,12 +49,16 @@ class Unpicklers:
 
     ``on_idle`` is called, from the thread that finished it, when the last
     piece of work in progress is done. ``stop`` lets every thread go once
-    the work in progress is done; :meth:`join` waits for them.
+    the work in progress is done; :meth:`join` waits for them. Each thread
+    has ``owner`` as its waiter (see :mod:`aiopar._waiter`): it runs
+    done-callbacks of the pool's futures, so it is one of the threads that
+    run aiopar's tasks.
     """
 
-    def __init__(self, name: str, on_idle: Callable[[], None]) -> None:
+    def __init__(self, name: str, on_idle: Callable[[], None], owner: Waiter) -> None:
         self._name = name
         self._on_idle = on_idle
+        self._owner = owner
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[Work | None]] = []  # one per idle thread
         self._threads: list[threading.Thread] = []
@@ -99,6 +105,7 @@ class Unpicklers:
         return True
 
     def _serve(self, inbox: queue.SimpleQueue[Work | None]) -> None:
+        set_waiter(self._owner)
         work = inbox.get()
         while work is not None:
             work()
