@@ -239,6 +239,33 @@ def test_exit_still_runs_the_queue_while_tasks_finish(tmp_path):
     assert "last: None" in done.stdout
 
 
+def test_exit_gives_a_task_that_starts_after_a_quiet_spell_its_whole_grace(tmp_path):
+    # Exit's drain sets the deadline as it begins; a thread task forks on
+    # the idle pool once that has passed. The third fork waits for a new
+    # worker, which wakes the manager: it found the deadline passed and
+    # terminated the two tasks just sent, and cancelled the third.
+    done = run_script(
+        tmp_path,
+        """
+        import time, aiopar
+
+        procs = aiopar.get_backend("process", max_workers=3, prefetch=0, grace=3.0)
+        aiopar.wait_all([procs.fork(time.sleep, 0.05) for _ in range(2)])  # two workers up
+
+        def after_a_quiet_spell():
+            time.sleep(3.5)
+            for i in range(3):
+                procs.fork(time.sleep, 0.2).add_done_callback(
+                    lambda f, i=i: print(i, f.cancelled() or f.exception(), flush=True)
+                )
+
+        aiopar.fork(after_a_quiet_spell)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["0 None", "1 None", "2 None"], done.stdout
+
+
 def test_workers_exit_when_the_parent_is_killed(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
