@@ -16,7 +16,14 @@ import pytest
 from helpers import run_python
 
 import aiopar
-from aiopar.nn import LSTM, _engine, _onednn, lstm_engine, set_lstm_engine
+from aiopar.nn import (
+    LSTM,
+    BidirectionalRecurrentLSTM,
+    _engine,
+    _onednn,
+    lstm_engine,
+    set_lstm_engine,
+)
 
 TOLERANCE = 1e-5
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -248,3 +255,20 @@ def test_a_child_forked_while_a_lock_was_held_runs_an_lstm() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0"
+
+
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+def test_workspaces_serve_an_engine_loaded_anew() -> None:
+    # Workspaces outlive the oneDNN instance they last served: one loaded
+    # anew (here by load.cache_clear()) ran on the old one's stream and
+    # memory, which oneDNN refused (dnnl_primitive_execute: status 2).
+    x = np.random.default_rng(0).random((5, 2, 3)).astype(np.float32)
+    model = BidirectionalRecurrentLSTM(3, 4, fork=True, seed=0)
+    set_lstm_engine("onednn")
+    expected = [model(x) for _ in range(3)]  # two workspaces of this shape, spare
+    _onednn.load.cache_clear()
+    _engine._preference, _engine._choice = None, None
+    _engine._decided.clear()
+    assert set_lstm_engine("onednn") == "onednn"
+    for want in expected:
+        np.testing.assert_allclose(model(x), want, atol=TOLERANCE)

@@ -161,8 +161,10 @@ class _Matmul:
 
 @dataclass(frozen=True, slots=True)
 class _Weights:
-    """One direction's recurrent weights in a layout a `_Matmul` picked."""
+    """One direction's recurrent weights in a layout a `_Matmul` of
+    `owner`'s picked (oneDNN memory belongs to the engine that made it)."""
 
+    owner: OneDNN
     md: _Owned
     memory: _Owned
     buffer: np.ndarray
@@ -170,8 +172,10 @@ class _Weights:
 
 @dataclass(frozen=True, slots=True)
 class _Buffers:
-    """A workspace's ``h`` and gates as oneDNN memory, and its scratchpad."""
+    """A workspace's ``h`` and gates as oneDNN memory, and its scratchpad,
+    for `matmul` (and the engine that made it) only."""
 
+    matmul: _Matmul
     stream: _Owned
     src: _Owned
     dst: _Owned
@@ -356,7 +360,9 @@ class OneDNN:
         """`packed`'s recurrent weights in `matmul`'s layout, reordered once per layout."""
         cached: list[_Weights] = packed.engine_data if isinstance(packed.engine_data, list) else []
         for entry in cached:
-            if self.lib.dnnl_memory_desc_equal(entry.md.handle, matmul.weights_md.handle):
+            if entry.owner is self and self.lib.dnnl_memory_desc_equal(
+                entry.md.handle, matmul.weights_md.handle
+            ):
                 return entry
         lib = self.lib
         hidden = packed.hidden_size
@@ -379,18 +385,22 @@ class OneDNN:
         self._execute(
             reorder, self._stream(), [(_ARG_SRC, self._memory(plain_md, plain)), (_ARG_DST, memory)]
         )
-        entry = _Weights(matmul.weights_md, memory, buffer)
+        entry = _Weights(self, matmul.weights_md, memory, buffer)
         packed.engine_data = [*cached, entry]
         return entry
 
     def _buffers(self, ws: Workspace, matmul: _Matmul) -> _Buffers:
-        """`ws`'s buffers as oneDNN memory (made once per workspace buffers)."""
+        """`ws`'s buffers as oneDNN memory (made once per workspace buffers
+        and primitive: workspaces outlive the engine they last served, which
+        is loaded anew after a failure or a ``load.cache_clear()``, and a
+        stream of another engine is refused)."""
         made = ws.engine_data
-        if isinstance(made, _Buffers):
+        if isinstance(made, _Buffers) and made.matmul is matmul:
             return made
         rows, hidden = ws.h.shape
         scratchpad = _aligned_floats(matmul.scratchpad_bytes)
         made = ws.engine_data = _Buffers(
+            matmul,
             self._stream(),
             self._memory(self._md((rows, hidden), "ab"), ws.h),
             self._memory(self._md((rows, 4 * hidden), "ab"), ws.gates),
