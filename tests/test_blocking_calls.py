@@ -6,13 +6,21 @@ timeout: without compensation it would hang (its barrier never fills)."""
 from __future__ import annotations
 
 import pytest
+from helpers import run_python
 
 from aiopar.backends import _stall
-from tests.helpers import run_python
 
 pytestmark = pytest.mark.skipif(
     not _stall.SUPPORTED, reason="this system has no per-thread CPU clocks"
 )
+
+
+def runs_ok(program: str, *args: str, timeout: float) -> None:
+    """Run ``program`` in a fresh interpreter: it must exit 0 having printed "ok"."""
+    done = run_python(program, *args, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok"), done.stdout
+
 
 # Twenty calls that each block until all twenty have started: a pool of two
 # workers gets through them only if it adds workers for the blocked ones.
@@ -62,9 +70,7 @@ print("ok", peak)
 
 @pytest.mark.parametrize("kind", ["lock", "sleep", "socket"])
 def test_calls_blocked_outside_aiopar_get_workers_of_their_own(kind):
-    done = run_python(BARRIER, kind, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(BARRIER, kind, timeout=60)
 
 
 ASYNC_SLEEPS = """
@@ -94,9 +100,7 @@ print("ok")
 
 
 def test_awaited_blocking_calls_all_overlap():
-    done = run_python(ASYNC_SLEEPS, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(ASYNC_SLEEPS, timeout=60)
 
 
 # A CPU-bound batch (pure Python, which holds the GIL, and numpy, which
@@ -147,9 +151,7 @@ print("ok", peak)
 
 @pytest.mark.parametrize("kind", ["python", "numpy"])
 def test_a_cpu_bound_batch_runs_on_no_more_workers_than_the_pool_has(kind):
-    done = run_python(CPU_BATCH, kind, timeout=90)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(CPU_BATCH, kind, timeout=90)
 
 
 LEARNED = """
@@ -179,9 +181,7 @@ print("ok")
 
 
 def test_a_function_that_blocked_is_counted_out_from_its_next_start():
-    done = run_python(LEARNED, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(LEARNED, timeout=60)
 
 
 IDLE_RETIRE = """
@@ -207,9 +207,7 @@ print("ok")
 
 
 def test_the_extra_workers_retire_once_idle():
-    done = run_python(IDLE_RETIRE, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(IDLE_RETIRE, timeout=60)
 
 
 SHUTDOWN = """
@@ -226,9 +224,7 @@ print("ok")
 
 
 def test_the_watcher_stops_with_its_pool():
-    done = run_python(SHUTDOWN, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(SHUTDOWN, timeout=60)
 
 
 INITIALIZER = """
@@ -267,6 +263,4 @@ print("ok")
 
 
 def test_thread_name_prefix_and_initializer_as_concurrent_futures_has_them():
-    done = run_python(INITIALIZER, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    runs_ok(INITIALIZER, timeout=60)

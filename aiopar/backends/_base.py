@@ -19,13 +19,13 @@ from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any, ClassVar, NoReturn, TypeVar
 
 from .. import _loop, _trace
-from .._checks import check_count
+from .._checks import check_count, check_initializer
 from .._errors import CancelledError
 from .._future import Future, add_callback, claim, retrieve, settle
 from .._interrupt import on_main_thread
 from . import _exit
 
-__all__ = ["Backend", "Task", "check_count", "chunk_size"]
+__all__ = ["Backend", "Task", "check_count", "check_initializer", "chunk_size"]
 
 T = TypeVar("T")
 

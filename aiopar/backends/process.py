@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 
 from .. import _budget, _trace
 from .._future import Future
-from ._base import Backend, Task, check_count
+from ._base import Backend, Task, check_count, check_initializer
 from ._process_handle import Job, check_setup
 from ._process_pickle import (
     Packed,
@@ -219,11 +219,8 @@ class ProcessBackend(Backend):
             raise ValueError(
                 f"grace must be None (wait for ever) or a number of seconds >= 0, got {grace!r}"
             )
+        check_initializer(initializer)
         if initializer is not None:
-            if not callable(initializer):
-                raise TypeError(
-                    f"initializer must be a callable or None, got {type(initializer).__name__}"
-                )
             check_setup(initializer, initargs)
         _check_start_method(mp_context)
         super().__init__()

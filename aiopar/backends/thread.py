@@ -44,7 +44,7 @@ from .._budget_slots import Occupancy, Slot, probe, use_slot
 from .._future import Future
 from .._waiter import set_waiter
 from . import _stall
-from ._base import Backend, Task, check_count
+from ._base import Backend, Task, check_count, check_initializer
 from ._stall import OUTSIDE, WAITING, blocking_keys, presumed
 
 __all__ = ["COMPENSATION_LIMIT", "PoolTask", "ThreadBackend"]
@@ -203,10 +203,7 @@ class ThreadBackend(Backend):
         initargs: tuple[Any, ...] = (),
     ) -> None:
         check_count(max_workers, "max_workers", none="the default")
-        if initializer is not None and not callable(initializer):
-            raise TypeError(
-                f"initializer must be a callable or None, got {type(initializer).__name__}"
-            )
+        check_initializer(initializer)
         if thread_name_prefix is not None and not isinstance(thread_name_prefix, str):
             raise TypeError(
                 f"thread_name_prefix must be a str or None, got {type(thread_name_prefix).__name__}"
@@ -455,9 +452,7 @@ class ThreadBackend(Backend):
             if self._broken is None:
                 self._broken = reason
             self._closed = True
-            queued = [task for queue in (self._tasks, *self._queues) for task in queue]
-            for queue in (self._tasks, *self._queues):
-                queue.clear()
+            queued = self._take_queued()
         for task in queued:
             future = task.claim()
             if future is not None:
@@ -625,6 +620,18 @@ class ThreadBackend(Backend):
         if self._backlog():
             self._wake_worker()
 
+    def _take_queued(self) -> list[PoolTask]:
+        """Take every queued task off the queues, oldest first. Called with
+        self._lock held; workers pop without it, so a queue may empty meanwhile."""
+        taken: list[PoolTask] = []
+        for queue in (self._tasks, *self._queues):
+            while queue:
+                try:
+                    taken.append(queue.popleft())
+                except IndexError:
+                    break
+        return taken
+
     def _is_quiet(self) -> bool:
         # Called with self._lock held: nothing queued, every worker asleep.
         return not self._backlog() and len(self._idle) == len(self._workers)
@@ -655,14 +662,7 @@ class ThreadBackend(Backend):
         the pool's lock, so a cancel callback may fork or wait anywhere.
         """
         with self._lock:
-            queued: list[PoolTask] = []
-            if cancel_pending:
-                for queue in (self._tasks, *self._queues):
-                    while queue:
-                        try:
-                            queued.append(queue.popleft())
-                        except IndexError:
-                            break
+            queued = self._take_queued() if cancel_pending else []
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
                 self._idle.popleft().wake_up.release()  # to stop: it counts for nothing
@@ -697,7 +697,7 @@ def _after_fork_in_child() -> None:
     # so nothing in the child waits for them for ever.
     _current.__dict__.pop("worker", None)
     for pool in list(_live_pools):
-        queued = [task for queue in (pool._tasks, *pool._queues) for task in queue]
+        queued = pool._take_queued()
         pool._reset()
         for task in queued:
             if task.future is not None:
