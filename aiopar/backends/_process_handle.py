@@ -92,6 +92,40 @@ class Job:
         return False
 
 
+class Inflight(deque[Job]):
+    """The jobs sent to a worker, in the order it runs them, counting the
+    bytes of those behind the first: sent ahead, they wait in its socket's
+    buffer, which a send must never overfill. Kept as the jobs come and go
+    (the pool's prefetch asks on every hand-over), so only the methods the
+    pool uses are here, and each keeps the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bytes = 0  # of every job in it
+
+    @property
+    def queued_bytes(self) -> int:
+        """The bytes of the jobs behind the first."""
+        return self._bytes - len(self[0].packed.payload) if self else 0
+
+    def append(self, job: Job) -> None:
+        deque.append(self, job)
+        self._bytes += len(job.packed.payload)
+
+    def popleft(self) -> Job:
+        job = deque.popleft(self)
+        self._bytes -= len(job.packed.payload)
+        return job
+
+    def remove(self, job: Job) -> None:
+        deque.remove(self, job)
+        self._bytes -= len(job.packed.payload)
+
+    def clear(self) -> None:
+        deque.clear(self)
+        self._bytes = 0
+
+
 class Worker:
     """The parent's handle on one worker process.
 
@@ -143,7 +177,7 @@ class Worker:
         self.ready = False
         self.stopping = False
         self.eof = False  # its socket has been read to the end
-        self.inflight: deque[Job] = deque()  # sent, in the order the worker runs them
+        self.inflight = Inflight()
         self.path_version = path_version  # of the sys.path it has
         self.terminated: str | None = None  # why shutdown terminated it
         self.kill_at = math.inf  # when to kill it if it has not exited by then

@@ -186,7 +186,11 @@ def _mentions_of_main(chunks: list[bytes]) -> int:
     # A reference to __main__ is written by the pickler into one of its
     # frames (64 KiB or so); a bigger chunk is a user's bytes or str, never
     # scanned.
-    return sum(chunk.count(b"__main__") for chunk in chunks if len(chunk) < 256 * 1024)
+    mentions = 0
+    for chunk in chunks:  # a loop, not a generator: this runs on every fork
+        if len(chunk) < 256 * 1024:
+            mentions += chunk.count(b"__main__")
+    return mentions
 
 
 def pack(
@@ -234,7 +238,7 @@ def pack(
             chunks = _dumps(cloud, obj, buffer_callback)
     finally:
         _packing.stand_ins = None
-    pickle_size = sum(len(chunk) for chunk in chunks)
+    pickle_size = sum(map(len, chunks))
     in_segment = pickle_size >= LARGE_PICKLE and HAVE_MEMFD
     if not large and not in_segment:
         return Packed(chunks[0] if len(chunks) == 1 else b"".join(chunks), [], None, None)

@@ -268,7 +268,7 @@ class Pool:
                 and not worker.stopping
                 and 0 < len(worker.inflight) <= depth
                 and self._takes_more(worker)
-                and _queued_bytes(worker) + size <= PREFETCH_MAX_BYTES
+                and worker.inflight.queued_bytes + size <= PREFETCH_MAX_BYTES
             ):
                 return worker
         return None
@@ -358,7 +358,7 @@ class Pool:
         except OSError:
             # The worker is dying; the manager notices through its pidfd and
             # requeues this job, which the worker never received.
-            worker.inflight.pop()
+            worker.inflight.remove(job)
             self._pending.appendleft(job)
             worker.stopping = True
             if worker in self._idle:
@@ -1097,12 +1097,6 @@ def _never_run(job: Job, cause: str) -> str:
 def _prefetchable(job: Job) -> bool:
     """Whether the job is small enough to go to a worker that is busy."""
     return job.packed.segment is None and len(job.packed.payload) <= PREFETCH_MAX_CALL
-
-
-def _queued_bytes(worker: Worker) -> int:
-    """What the worker has been sent and not read yet. It must fit in the
-    socket's buffer: a send must never wait for a busy worker."""
-    return sum(len(job.packed.payload) for job in itertools.islice(worker.inflight, 1, None))
 
 
 def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:

@@ -53,6 +53,9 @@ _HEADER = struct.Struct("<BBxxIIxxxxqQQQqq")
 # segment flags: there is a segment; the pickle is in it, after the buffers
 _HAS_SEGMENT, _PICKLE_IN_SEGMENT = 1, 2
 _ANC_SIZE = socket.CMSG_SPACE(16 * array("i").itemsize)
+# A plain int: ``&`` on the socket module's flag enum is a Python call (about
+# a microsecond), made on every read of the round trip.
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _KINDS = frozenset(range(TASK, SKIP + 1))
 # Bounds on what a header may announce, checked before anything is
 # allocated: no frame carries more ids than this, nor a payload bigger than
@@ -160,7 +163,7 @@ class Channel:
             len(released),
             msg_id,
             seg.id if seg is not None else 0,
-            sum(aligned(n) for n in lengths) + in_segment,
+            sum(map(aligned, lengths)) + in_segment,
             in_segment or len(payload),
             t0,
             t1,
@@ -288,7 +291,7 @@ class Channel:
                 fds = array("i")
                 fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                 self._fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _MSG_CTRUNC:
             raise EOFError("file descriptors were lost in transit (MSG_CTRUNC)")
         if not nbytes:
             raise EOFError("the peer closed its end of the socket")
