@@ -6,8 +6,10 @@ Tasks sent while others are in flight go out together on the client's loop,
 one ``client.map`` per batch: one graph and one ``update-graph`` message
 for all of them, where dask's ``submit`` costs one each (a fifth of a no-op
 task's cost on a 2-core machine). Their results come back in groups
-(``_results``) and their futures settle in a settler thread, never on
-dask's loop.
+(``_results``), and their futures settle on the client's loop as each group
+arrives, so a thread waiting for one wakes from there, as from dask's own
+``result()``; their done-callbacks run in a settler thread, never on dask's
+loop (``set_callback_runner``).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ Call = tuple[Any, ...]
 class Fork:
     """A fork: one task, one future (and its profiler record, if one is on)."""
 
-    __slots__ = ("future", "key", "record")
+    __slots__ = ("cancel", "future", "key", "record")
 
     def __init__(self, key: str, future: aiopar.Future[Any], record: Any) -> None:
         self.key, self.future, self.record = key, future, record
+        # the future's done-callback that cancels the dask task, once it is sent
+        self.cancel: Callable[[aiopar.Future[Any]], None] | None = None
 
     @property
     def futures(self) -> list[aiopar.Future[Any]]:
@@ -63,6 +67,10 @@ class Fork:
                 where = f"dask worker {worker}"
                 self.record.on_remote_run(t0 - offset, t1 - offset, pid, tid, where)
             outcome = (value, None)
+        if self.cancel is not None:
+            # The task is over: its cancel hook has nothing left to do, and
+            # kept, it would be a callback to hand to a settler thread.
+            self.future.remove_done_callback(self.cancel)
         Task.settle(self.future, outcome)
 
 
@@ -184,18 +192,19 @@ class InFlight:
     ) -> None:
         with self._lock:  # (sends from several threads, and flushes)
             if self._results is None:
-                self._results = Results(client, self._settle, self._settler.call)
+                self._results = Results(client, self._settle)
             results = self._results
         for entry, future in sent:
             if isinstance(entry, Fork):  # cancelling a fork cancels its task
-                cancel = functools.partial(_cancel_if_cancelled, client, future)
-                entry.future.add_done_callback(cancel)
+                entry.cancel = functools.partial(_cancel_if_cancelled, client, future)
+                entry.future.add_done_callback(entry.cancel)
         results.expect([future for _, future in sent])
 
     def _settle(self, done: Done) -> None:
-        """In a settler thread: settle what a group of completed tasks gave.
-        Each future's callbacks run as a settler call of their own, so one
-        that blocks holds up no other future of the group."""
+        """On the client's loop: settle what a group of completed tasks gave.
+        The futures' callbacks run in a settler thread, each future's as a
+        settler call of its own, so one that blocks holds up neither dask's
+        loop nor another future of the group."""
         sent = self._forget([future.key for future, _, _ in done])
         set_callback_runner(self._settler.call)
         try:

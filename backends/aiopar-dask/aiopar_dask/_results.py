@@ -4,11 +4,12 @@ A gather costs two of dask's round trips (who has the value, then the value
 itself), and a gather per task made forks a third dearer than dask's own
 tasks on a 2-core machine. Here the tasks in flight are watched together
 (``distributed.as_completed``): whenever some have completed, their values
-come back in one gather, and ``on_done`` gets them all in one call, in a
-settler thread, off dask's event loop. While other tasks are still running,
-a group waits ``GROUP_WINDOW`` seconds for more to join it. A task sent
-while no other is in flight (a fork waited for at once) is fetched alone,
-as soon as it completes, by a gather of its own: the quickest way back.
+come back in one gather, and ``on_done`` gets them all in one call, on the
+client's event loop, where the gather ends (it must not block there). While
+other tasks are still running, a group waits ``GROUP_WINDOW`` seconds for
+more to join it. A task sent while no other is in flight (a fork waited for
+at once) is fetched alone, as soon as it completes, by a gather of its own:
+the quickest way back.
 """
 
 from __future__ import annotations
@@ -31,17 +32,11 @@ Done = list[tuple[distributed.Future[Any], Any, BaseException | None]]
 
 class Results:
     """Fetches the results of ``client``'s tasks as they complete and hands
-    each group to ``run(on_done, group)`` (a settler's ``call``)."""
+    each group to ``on_done(group)``, on the client's loop."""
 
-    def __init__(
-        self,
-        client: distributed.Client,
-        on_done: Callable[[Done], object],
-        run: Callable[..., object],
-    ) -> None:
+    def __init__(self, client: distributed.Client, on_done: Callable[[Done], object]) -> None:
         self._client = client
         self._on_done = on_done
-        self._run = run
         self._completed = distributed.as_completed(loop=client.loop)
         self._lock = threading.Lock()
         self._tracked = 0  # tasks whose results have not been handed on
@@ -76,7 +71,7 @@ class Results:
     def _hand_on(self, done: Done) -> None:
         with self._lock:
             self._tracked -= len(done)
-        self._run(self._on_done, done)
+        self._on_done(done)
 
     async def _collect(self) -> None:
         """On the client's loop: each group of completed tasks, fetched and

@@ -1,11 +1,14 @@
-"""Settling aiopar futures off the event loop and off the rpc wire's thread.
+"""Running aiopar futures' done-callbacks off the event loop and off the rpc wire's thread.
 
 A future's done-callbacks run in the thread that settles it, and a callback
 may block in ``wait()`` on another remote result. On the event loop that
-result could never arrive, so results go from the loop to a settler thread.
-One thread does the work while callbacks return quickly; a thread whose
-callback blocks hands the queue to a new one (the waiter protocol tells it),
-so a blocking callback never stalls the others. A settler of several
+result could never arrive, so the loop (and the wire's thread) settles
+futures with their callbacks handed to a settler thread
+(``set_callback_runner``): a thread waiting on a future wakes from where
+its result arrived, and only callbacks take the hop. One thread does the
+work while callbacks return quickly; a thread whose callback blocks hands
+the queue to a new one (the waiter protocol tells it), so a blocking
+callback never stalls the others. A settler of several
 threads (``threads``) also starts a new one for a call that would wait
 behind a busy one, so a slow call delays no other.
 """

@@ -561,6 +561,29 @@ def test_settler_threads_hand_over_while_a_callback_blocks(inproc):
     assert blocked.wait(timeout=10) == 2
 
 
+def _on_an_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_a_forks_callbacks_run_off_dasks_loop_and_its_waiter_wakes_without_them(inproc):
+    # The future settles on the client's loop; its callbacks go to a settler thread.
+    released.clear()
+    held = inproc.fork(hold_the_worker)
+    gate = threading.Event()
+    on_loop: list[bool] = []
+    held.add_done_callback(lambda f: (on_loop.append(_on_an_event_loop()), gate.wait(30)))
+    released.set()
+    assert held.wait(timeout=30) == "held"  # while its callback still blocks
+    assert inproc.fork(double, 3).wait(timeout=30) == 6  # and dask's loop goes on
+    assert wait_until(lambda: on_loop, timeout=30)
+    gate.set()
+    assert on_loop == [False]
+
+
 def test_the_embedded_cluster_uses_tls_unless_told_not_to(procs):
     pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
     import urllib.request
