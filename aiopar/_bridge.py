@@ -4,6 +4,11 @@ Completions reach a loop in batches: the first completion posted to an idle
 bridge schedules one thread-safe wake-up, and every completion that arrives
 before the loop runs it rides along. On Linux, asyncio and uvloop loops are
 woken through an eventfd they watch.
+
+A pool's worker that completes an await as it settles its own task holds
+that wake-up until it next stops running aiopar's code (before its next
+task, before it sleeps, before anyone else's callback runs): see
+:func:`hold_wakes`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ import sniffio
 
 from . import _waiter
 
-__all__ = ["Bridge", "asyncio_bridge", "running_async_library", "wait_on_loop"]
+__all__ = [
+    "Bridge",
+    "asyncio_bridge",
+    "hold_wakes",
+    "running_async_library",
+    "send_wakes",
+    "wait_on_loop",
+]
 
 _get_running_loop = asyncio._get_running_loop
 _sniffio_thread = sniffio.thread_local
@@ -30,16 +42,19 @@ class Bridge:
     """Runs callables on one event loop's thread, one wake-up per batch.
 
     ``wake``, set by the function that makes the bridge, must make the loop
-    call :meth:`drain` soon; any thread may call it.
+    call :meth:`drain` soon; any thread may call it, and it raises nothing
+    (a closed loop has nobody left to wake). ``fd``, if not -1, is
+    the eventfd ``wake`` writes to, which :meth:`drain` reads back.
     """
 
-    __slots__ = ("_awaiting", "_batch", "_lock", "wake")
+    __slots__ = ("_awaiting", "_batch", "_lock", "fd", "wake")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._batch: list[Callable[[], None]] = []
         self._awaiting = 0  # aiopar futures awaited on this loop (only in a pool's thread)
         self.wake: Callable[[], Any]
+        self.fd = -1
 
     # A loop that runs inside a pool's thread (``asyncio.run`` in a forked
     # task) blocks that thread while it awaits forks, as a blocking wait
@@ -57,43 +72,94 @@ class Bridge:
         if self._awaiting == 0:
             owner.resumed()
 
-    def post(self, fn: Callable[[], None]) -> None:
+    def post(self, fn: Callable[[], None], done: object = None) -> None:
+        """Have the loop call ``fn()`` soon. ``done``: the future whose
+        done-callback this post is (``functools.partial(bridge.post, fn)``
+        is one, with no Python function between the future and the post);
+        if it is the future of the task whose wake-ups the calling thread
+        holds (see :func:`hold_wakes`), the loop is woken once the thread
+        sends them."""
         with self._lock:
             self._batch.append(fn)
             if len(self._batch) > 1:
                 return  # a wake-up is already on its way and will run fn too
-        # Once per await: a try costs nothing, contextlib.suppress three calls.
-        try:  # noqa: SIM105
-            self.wake()
-        except RuntimeError:  # a closed loop has nobody left to wake
-            pass
+        if done is not None:
+            state = _waiter.local.__dict__
+            if done is state.get("finishing"):
+                state["wakes"].append(self.wake)
+                return
+        self.wake()
 
     def drain(self) -> None:
+        """Run the batch posted so far (on the loop's thread)."""
+        if self.fd != -1:  # the loop calls drain as the eventfd's reader
+            try:  # noqa: SIM105 - once per wake-up: a try costs nothing, suppress() three calls
+                os.eventfd_read(self.fd)
+            except BlockingIOError:  # a late write already drained it
+                pass
         with self._lock:
             batch, self._batch = self._batch, []
         for fn in batch:
             fn()
 
 
-# Keyed weakly by loop (or trio token): a bridge must not keep its loop alive.
-_bridges: weakref.WeakKeyDictionary[Any, Bridge] = weakref.WeakKeyDictionary()
+def hold_wakes() -> tuple[dict[str, Any], list[Callable[[], Any]]]:
+    """Make the calling thread, a pool's worker, hold the wake-ups it owes
+    event loops as it settles its own task; return the thread's state and
+    the list they wait in.
+
+    Before each task it runs, the worker sets ``state["finishing"]`` to the
+    task's future: an await of that future completed by its settling wakes
+    its loop when the worker calls :func:`send_wakes`, which it must do
+    before its next task, before it blocks or stops, and ``finishing``
+    set to ``None`` once the future is settled and the wake-ups sent.
+    Before any other callback runs in this thread, the wake-ups go
+    (``_callbacks.run_each``), so no code but aiopar's runs while one waits.
+
+    Why: the loop cannot run while the worker holds the GIL, and the write
+    that wakes it lets the GIL go. Woken before the worker has gone idle,
+    the loop takes the GIL, forks again and wakes a second worker while the
+    first still finishes its spell; woken last, it finds the worker asleep,
+    and one worker serves a sequence of awaits.
+    """
+    state = _waiter.local.__dict__
+    wakes: list[Callable[[], Any]] = state.setdefault("wakes", [])
+    state["finishing"] = None
+    return state, wakes
+
+
+def send_wakes(wakes: list[Callable[[], Any]]) -> None:
+    """Wake the loops whose wake-ups this thread held (see :func:`hold_wakes`)."""
+    while wakes:
+        wakes.pop()()
+
+
+# By a weak reference to their loop (or trio token): a bridge must not keep
+# its loop alive, and goes with it. A plain dict, not a WeakKeyDictionary,
+# whose get() is a Python call more on every await: a lookup makes a
+# reference (which compares equal to the key while the loop lives) and
+# gets it, both in C.
+_bridges: dict[weakref.ref[Any], Bridge] = {}
 _bridges_lock = threading.Lock()
+_ref = weakref.ref
 
 
 def _bridge(key: Any, new_bridge: Callable[[Any], Bridge]) -> Bridge:
-    bridge = _bridges.get(key)
+    """The bridge to ``key``, made with ``new_bridge(key)`` on first use."""
+    bridge = _bridges.get(_ref(key))
     if bridge is None:
         with _bridges_lock:
-            bridge = _bridges.get(key)
+            bridge = _bridges.get(_ref(key))
             if bridge is None:
-                bridge = _bridges[key] = new_bridge(key)
+                bridge = new_bridge(key)
+                _bridges[_ref(key, _forget)] = bridge
     return bridge
 
 
-def asyncio_bridge(loop: asyncio.AbstractEventLoop) -> Bridge:
-    """The bridge to ``loop`` (made on first use, on the loop's own thread:
-    making one registers a reader with the loop)."""
-    return _bridge(loop, _new_asyncio_bridge)
+def _forget(gone: weakref.ref[Any]) -> None:
+    # Its loop has gone. A reference to a dead object equals only itself:
+    # ``gone`` is the dict's own key.
+    _bridges.pop(gone, None)
 
 
 def _new_asyncio_bridge(loop: asyncio.AbstractEventLoop) -> Bridge:
@@ -110,18 +176,12 @@ def _new_asyncio_bridge(loop: asyncio.AbstractEventLoop) -> Bridge:
     except AttributeError:  # not Linux
         return _call_soon_bridge(bridge, loop, "call_soon_threadsafe")
 
-    def on_readable() -> None:
-        try:  # noqa: SIM105 - once per wake-up, as in post()
-            os.eventfd_read(fd)
-        except BlockingIOError:  # a late write already drained it
-            pass
-        bridge.drain()
-
     try:
-        loop.add_reader(fd, on_readable)
+        loop.add_reader(fd, bridge.drain)
     except NotImplementedError:  # the proactor loop watches no fds
         os.close(fd)
         return _call_soon_bridge(bridge, loop, "call_soon_threadsafe")
+    bridge.fd = fd
     bridge.wake = functools.partial(os.eventfd_write, fd, 1)
     # Nothing can post once the loop is gone: every posted callable holds
     # an awaiting future of that loop. Not at exit: a loop that still runs
@@ -130,13 +190,25 @@ def _new_asyncio_bridge(loop: asyncio.AbstractEventLoop) -> Bridge:
     return bridge
 
 
+#: ``asyncio_bridge(loop)``: the bridge to ``loop`` (made on first use, on
+#: the loop's own thread: making one registers a reader with the loop). A
+#: partial, not a function: once per await, it adds no Python call to
+#: :func:`_bridge`'s.
+asyncio_bridge: Callable[[asyncio.AbstractEventLoop], Bridge] = functools.partial(
+    _bridge, new_bridge=_new_asyncio_bridge
+)
+
+
 def _call_soon_bridge(bridge: Bridge, loop: Any, method: str) -> Bridge:
     loop_ref = weakref.ref(loop)
 
     def wake() -> None:
         loop = loop_ref()
         if loop is not None:
-            getattr(loop, method)(bridge.drain)
+            try:  # noqa: SIM105 - once per wake-up: a try costs nothing, suppress() three calls
+                getattr(loop, method)(bridge.drain)
+            except RuntimeError:  # a closed loop has nobody left to wake
+                pass
 
     bridge.wake = wake
     return bridge
@@ -179,7 +251,7 @@ def wait_on_loop(
                 waiter.set_result(None)
 
         bridge = asyncio_bridge(loop)
-        subscribe(lambda _: bridge.post(wake))
+        subscribe(functools.partial(bridge.post, wake))
         owner = _waiter.get_waiter()
         if owner is not None:
             bridge.awaiting(owner)
@@ -221,14 +293,14 @@ async def _wait_on_trio(
         return trio.lowlevel.Abort.SUCCEEDED
 
     bridge = _bridge(token, _new_trio_bridge)
-    subscribe(lambda _: bridge.post(wake))
+    subscribe(functools.partial(bridge.post, wake))
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 def _after_fork_in_child() -> None:
     # A bridge's eventfd would wake the parent's loop: bridges start afresh.
     global _bridges
-    _bridges = weakref.WeakKeyDictionary()
+    _bridges = {}
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

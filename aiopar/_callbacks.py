@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ._bridge import send_wakes
 from ._log import logger
 from ._waiter import local
 
@@ -23,7 +24,12 @@ __all__ = ["drain_deferred", "run_callbacks", "run_each", "set_callback_runner"]
 def run_each(fut: Any, callbacks: Iterable[Callable[[Any], object]]) -> None:
     """Call each of ``callbacks`` with ``fut``, in order; what one raises is
     logged on the ``aiopar`` logger and the others still run."""
+    # A pool's worker may hold wake-ups of event loops (_bridge.hold_wakes):
+    # they go before a callback runs that may take any time.
+    wakes = local.__dict__.get("wakes")
     for fn in callbacks:
+        if wakes:
+            send_wakes(wakes)
         try:
             fn(fut)
         except BaseException:

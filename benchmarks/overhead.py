@@ -11,7 +11,7 @@ BLAS, and the thread budget listens to the pools from then on. One row
 measures the same forks in a process that never loads a BLAS, taking turns
 with this one, to show what listening costs.
 
-    python benchmarks/overhead.py [--rounds 5] [--scale 1.0]
+    python benchmarks/overhead.py [--rounds 5] [--scale 1.0] [--only async]
 """
 
 from __future__ import annotations
@@ -483,19 +483,35 @@ def torch_rows(scale: float, rounds: int, workers: int) -> list[Row]:
     ]
 
 
+#: the groups of rows, in the order they run
+GROUPS = ("sync", "async", "profiler", "torch")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per row (best kept)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the task counts")
     parser.add_argument("--workers", type=int, default=2, help="pool size for both sides")
+    parser.add_argument(
+        "--only",
+        choices=GROUPS,
+        action="append",
+        help="measure only this group of rows (may be given more than once); default: all",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.scale <= 0 or args.workers < 1:
         parser.error("--rounds and --workers must be >= 1 and --scale > 0")
 
-    rows = sync_rows(args.scale, args.rounds, args.workers)
-    rows += async_rows(args.scale, args.rounds, args.workers)
-    rows += profiler_rows(args.scale, args.rounds)
-    rows += torch_rows(args.scale, args.rounds, args.workers)
+    groups = args.only or list(GROUPS)
+    rows: list[Row] = []
+    if "sync" in groups:
+        rows += sync_rows(args.scale, args.rounds, args.workers)
+    if "async" in groups:
+        rows += async_rows(args.scale, args.rounds, args.workers)
+    if "profiler" in groups:
+        rows += profiler_rows(args.scale, args.rounds)
+    if "torch" in groups:
+        rows += torch_rows(args.scale, args.rounds, args.workers)
 
     table = Table(
         title=f"aiopar overhead per task ({args.workers} workers, best of {args.rounds}; "

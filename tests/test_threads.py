@@ -130,7 +130,7 @@ def test_a_worker_late_for_a_fork_that_is_gone_counts_nothing(monkeypatch, gone)
     pool = ThreadBackend(max_workers=2)
     late = threading.Event()
     run_tasks = pool._run_tasks  # a fresh worker's loop: its first look at the queues
-    monkeypatch.setattr(pool, "_run_tasks", lambda worker: (late.wait(10), run_tasks(worker))[1])
+    monkeypatch.setattr(pool, "_run_tasks", lambda *args: (late.wait(10), run_tasks(*args))[1])
     spells: list[object] = []
     first_task = _budget_slots.Slot.first_task
     monkeypatch.setattr(

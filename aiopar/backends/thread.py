@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import sniffio
 
 from .. import _budget, _budget_slots, _interrupt
+from .._bridge import hold_wakes, send_wakes
 from .._budget_slots import Occupancy, Slot, probe, use_slot
 from .._future import Future
 from .._waiter import set_waiter
@@ -414,10 +415,13 @@ class ThreadBackend(Backend):
         use_slot(worker.slot)
         set_waiter(worker)
         probe()
+        state, wakes = hold_wakes()
         try:
             if self._initializer is None or self._initialize():
-                self._run_tasks(worker)
+                self._run_tasks(worker, state, wakes)
         finally:
+            send_wakes(wakes)
+            state["finishing"] = None
             with self._lock:
                 worker.end_spell()
                 if worker in self._workers:
@@ -464,7 +468,12 @@ class ThreadBackend(Backend):
             f"{self!r} is broken: {self._broken}; create a new pool (and fix the initializer)"
         )
 
-    def _run_tasks(self, worker: _Worker) -> None:
+    def _run_tasks(
+        self, worker: _Worker, state: dict[str, Any], wakes: list[Callable[[], Any]]
+    ) -> None:
+        """Run tasks until the worker retires or the pool stops. ``state``
+        and ``wakes``: the thread's, from _bridge.hold_wakes, whose wake-ups
+        of event loops go before each task and before the worker sleeps."""
         slot, forks, shared = worker.slot, worker.forks, self._tasks
         while True:
             # Over the limit (it went down, or a blocked worker came back):
@@ -522,6 +531,11 @@ class ThreadBackend(Backend):
                 if self._tasks or any(self._queues):
                     with self._lock:
                         self._wake_for_queued()
+                # Idle now: the loops whose awaits its last task completed
+                # are woken last (see _bridge.hold_wakes).
+                state["finishing"] = None
+                if wakes:
+                    send_wakes(wakes)
                 # Released by the fork that has work for it.
                 while not worker.wake_up.acquire(timeout=self.idle_retire):
                     if self._retire_idle(worker):
@@ -529,6 +543,9 @@ class ThreadBackend(Backend):
                 with self._lock:
                     self._waking -= 1
                 continue
+            if wakes:  # the last task's awaits: its loops wake before this one runs
+                send_wakes(wakes)
+            state["finishing"] = task.future
             worker.task = task
             if blocking_keys and presumed(task.fn):
                 self._stall(worker, task)  # it blocked last time: counted out from the start
