@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import dask
 import distributed
 import numpy as np
 import pytest
-from aiopar_dask import DaskBackend
+from aiopar_dask import DaskBackend, _results
 from dask_helpers import (
     Leftovers,
     descendant_pids,
@@ -582,6 +583,44 @@ def test_a_forks_callbacks_run_off_dasks_loop_and_its_waiter_wakes_without_them(
     assert wait_until(lambda: on_loop, timeout=30)
     gate.set()
     assert on_loop == [False]
+
+
+def _record_sends(backend: DaskBackend, monkeypatch) -> list[tuple[str, frozenset]]:
+    """What the client sends the scheduler from now on: each message's op and keys."""
+    sent: list[tuple[str, frozenset]] = []
+    stream = backend.client.scheduler_comm
+    send = stream.send
+
+    def recording(*msgs):
+        sent.extend((msg["op"], frozenset(msg.get("keys", ()))) for msg in msgs)
+        return send(*msgs)
+
+    monkeypatch.setattr(stream, "send", recording)
+    return sent
+
+
+def test_a_fork_waited_for_alone_lets_go_of_its_key_behind_the_next_forks_graph(
+    inproc, monkeypatch
+):
+    # Ahead of that graph, the key's release would start the scheduler's
+    # batch interval to the worker, which the next task would wait out.
+    monkeypatch.setattr(_results, "KEEP_ALONE", 60.0)  # only the next fork lets go
+    sent = _record_sends(inproc, monkeypatch)
+    assert [inproc.fork(double, x).wait(timeout=30) for x in range(3)] == [0, 2, 4]
+    graphs = [keys for op, keys in sent if op == "update-graph"]
+    assert len(graphs) == 3
+    for before, after in itertools.pairwise(graphs):
+        release = ("client-releases-keys", before)
+        assert wait_until(lambda release=release: release in sent, timeout=30)
+        assert sent.index(("update-graph", after)) < sent.index(release)
+    assert ("client-releases-keys", graphs[-1]) not in sent  # kept: no fork came after it
+
+
+def test_a_fork_waited_for_alone_lets_go_of_its_key_when_no_other_comes(inproc, monkeypatch):
+    sent = _record_sends(inproc, monkeypatch)
+    assert inproc.fork(double, 4).wait(timeout=30) == 8
+    (graph,) = [keys for op, keys in sent if op == "update-graph"]
+    assert wait_until(lambda: ("client-releases-keys", graph) in sent, timeout=30)
 
 
 def test_the_embedded_cluster_uses_tls_unless_told_not_to(procs):
