@@ -118,11 +118,19 @@ def get_num_interop_threads() -> int:
     return interop_threads
 
 
+#: called with the new count once set_num_interop_threads has set it: the
+#: thread pools that follow it keep their limit in a field of their own, so
+#: that a fork reads one attribute for it
+interop_listeners: list[Callable[[int], object]] = []
+
+
 def set_num_interop_threads(n: int) -> None:
     """Set the thread backend's worker count; pools already running follow it."""
     global interop_threads
     check_count(n, "set_num_interop_threads(n): n")
     interop_threads = n
+    for listener in list(interop_listeners):
+        listener(n)
 
 
 # -- intra-op -----------------------------------------------------------------
@@ -216,6 +224,18 @@ HELD_RECHECK = 0.01
 COME_BACK_AFTER = _waiter.BLOCKED_LONG
 
 
+class Shares(dict[int, int]):
+    """The budgeted intra-op count for each number of things that count:
+    every core for 0 or 1, then ``cores // k``, and 1 from ``cores`` on.
+    A table, so that the hot path reads a share with no Python call."""
+
+    def __init__(self, n_cores: int) -> None:
+        super().__init__((k, n_cores // max(k, 1)) for k in range(n_cores + 1))
+
+    def __missing__(self, running: int) -> int:
+        return 1  # more count than there are cores: one thread each
+
+
 class Budget:
     """The intra-op thread count and the libraries it is applied to."""
 
@@ -227,8 +247,7 @@ class Budget:
         # match it.
         self.tokens: deque[None] = deque()
         n_cores = cores()
-        # the budgeted count for k counting: all cores for 0 or 1, then cores // k
-        self.shares = (n_cores, *(max(1, n_cores // k) for k in range(1, n_cores + 1)))
+        self.shares = Shares(n_cores)
         self.explicit, self.explicit_from, self.env_ignored = threads_from_env()
         # The count last given to the process-wide libraries; None while one
         # of them is held by someone else (rule 5), so that follow() looks
@@ -264,11 +283,7 @@ class Budget:
         """The intra-op thread count right now."""
         if self.explicit is not None:
             return self.explicit
-        return self._share(len(self.tokens))
-
-    def _share(self, running: int) -> int:
-        shares = self.shares
-        return shares[running] if running < len(shares) else 1
+        return self.shares[len(self.tokens)]
 
     def follow(self, *, now: bool = False) -> None:
         """Give the libraries the count for what counts now: fewer threads at
@@ -278,7 +293,7 @@ class Budget:
         # while a timer is due to give them more (rule 4) and more is what
         # they would get.
         if self.explicit is None:
-            n = self._share(len(self.tokens))
+            n = self.shares[len(self.tokens)]
             applied = self.applied
             if n == applied or (
                 not now
@@ -298,13 +313,20 @@ class Budget:
         count ``n`` less than HELD_RECHECK seconds ago."""
         return bool(self.held) and n == self.attempted and clock() < self.recheck_at
 
-    def take(self) -> None:
-        """One more counts: the libraries get fewer threads at once if the share drops."""
+    # take and give_back call follow only when the libraries' count would
+    # change. Slot.first_task and Slot.end_spell spell them out, once per
+    # spell of a worker's work (tests/test_budget_copies.py).
+
+    def take(self, now: float | None = None) -> None:
+        """One more counts: the libraries get fewer threads at once if the
+        share drops. ``now``: the clock's time, if the caller has read it."""
         tokens = self.tokens
         tokens.append(None)
-        if len(tokens) > 1:
-            self.crowded_at = clock()
-        self.follow()
+        running = len(tokens)
+        if running > 1:
+            self.crowded_at = clock() if now is None else now
+        if self.explicit is None and self.shares[running] != self.applied:
+            self.follow()
 
     def give_back(self, *, now: bool = False) -> None:
         """One fewer counts. The threads come back at once with ``now`` (the
@@ -312,7 +334,11 @@ class Budget:
         no sooner than rule 4 allows."""
         tokens = self.tokens
         tokens.pop()
-        if now or not tokens:
+        if (
+            (now or not tokens)
+            and self.explicit is None
+            and self.shares[len(tokens)] != self.applied
+        ):
             self.follow(now=now)
 
     def add_running(self, delta: int) -> None:

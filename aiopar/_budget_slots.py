@@ -10,8 +10,9 @@ finds a BLAS or OpenMP library in the process (:func:`probe` looks, off the
 fork path): until then a fork pays one attribute check for the budget.
 
 The hook's methods that a plain ``fork(f).wait()`` passes through make no
-further Python call unless the libraries' count must change: the token
-count and the share are read inline.
+further Python call unless the libraries' count must change: they spell out
+the budget's ``take`` and ``give_back``, and read the share from its table
+(tests/test_budget_copies.py checks that each copy behaves as its original).
 """
 
 from __future__ import annotations
@@ -138,24 +139,25 @@ class Slot:
             return
         now = _budget.clock()
         self.counted, self.counted_since = True, now
+        # budget.take(now), inline: once per `await fork(f)`, and the Python
+        # calls of a fork and its wait are counted (tests/test_overhead.py);
+        # tests/test_budget_copies.py checks that the two count alike.
         tokens = budget.tokens
-        tokens.append(None)  # budget.take(), inline: a plain fork(f).wait() passes here
+        tokens.append(None)
         running = len(tokens)
         if running > 1:
             budget.crowded_at = now
-        if budget.explicit is None:
-            shares = budget.shares
-            if (shares[running] if running < len(shares) else 1) != budget.applied:
-                budget.follow()
+        if budget.explicit is None and budget.shares[running] != budget.applied:
+            budget.follow()
         if budget.per_thread:
             budget.apply_here()
 
     def end_spell(self) -> None:
         """This worker, woken by :meth:`Occupancy.woke`, found no task and is
         idle again, or stops. Called in its own thread under its pool's lock,
-        before a thread that wakes it may start another spell. Its token, if
-        it counted, comes back: at once if it ran no task since its wake-up,
-        else as rule 4 says."""
+        before a thread that wakes it may start another spell; nothing
+        changes if it had no spell. Its token, if it counted, comes back: at
+        once if it ran no task since its wake-up, else as rule 4 says."""
         self.busy = 0
         woken_by = self.woken_by
         if woken_by is not None:
@@ -164,14 +166,16 @@ class Slot:
         if not self.counted:
             return
         self.counted = False
+        # budget.give_back(now=not self.ran), inline: as in first_task.
         tokens = budget.tokens
-        tokens.pop()  # budget.give_back(), inline: a plain fork(f).wait() passes here
-        ran = self.ran
-        if not tokens or not ran:
-            running = len(tokens)
-            shares = budget.shares
-            if (shares[running] if running < len(shares) else 1) != budget.applied:
-                budget.follow(now=not ran)
+        tokens.pop()
+        now = not self.ran
+        if (
+            (now or not tokens)
+            and budget.explicit is None
+            and budget.shares[len(tokens)] != budget.applied
+        ):
+            budget.follow(now=now)
         if budget.per_thread:
             budget.restore_here()
 
@@ -199,7 +203,9 @@ class Slot:
         counted, since = self.counted, self.counted_since
         if self.sharing:
             self._waits()
-        elif self.forked_at is not None:  # self._waits(), inline: once per fork and wait
+        elif self.forked_at is not None:
+            # self._waits(), inline: once per fork and wait, whose Python calls
+            # are counted; tests/test_budget_copies.py checks they agree.
             forked_at, self.forked_at = self.forked_at, None
             self.anticipates = not (
                 len(self.wakes) <= 1 and _budget.clock() - forked_at < WAITS_AT_ONCE

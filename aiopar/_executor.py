@@ -13,7 +13,7 @@ from typing import Any, ParamSpec, TypeVar
 from ._blocking import cf_timeout
 from ._checks import check_count
 from ._config import get_backend
-from ._future import Future
+from ._future import Future, block_until_done
 from .backends import Backend
 from .backends import _factory as backend_factory
 
@@ -171,7 +171,7 @@ class Executor(concurrent.futures.Executor):
             self._backend.shutdown(wait=wait)
         elif wait:
             for fut in futures:
-                fut._block(None)
+                block_until_done(fut, None)
 
     def _check_open(self) -> None:
         if self._shut_down:

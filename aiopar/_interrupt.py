@@ -55,7 +55,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def acquire(lock: _Lock, timeout: float | None = None) -> bool:
     """``lock.acquire(True, timeout)``, ``None`` meaning no limit, that a
     KeyboardInterrupt ends on the main thread; True if the lock was acquired."""
-    if get_ident() != _main_thread:  # on_main_thread(), inline: once per blocking wait
+    # on_main_thread(), inline: once per blocking wait, whose Python calls are
+    # counted (tests/test_overhead.py); tests/test_budget_copies.py checks
+    # that the two agree.
+    if get_ident() != _main_thread:
         return lock.acquire(True, -1 if timeout is None else timeout)
     if timeout is None:
         while not lock.acquire(True, SLICE):
@@ -72,7 +75,10 @@ def acquire(lock: _Lock, timeout: float | None = None) -> bool:
 
 def join(thread: threading.Thread, timeout: float | None = None) -> None:
     """``thread.join(timeout)`` that a KeyboardInterrupt ends on the main thread."""
-    if not on_main_thread():
+    # on_main_thread(), inline: once per blocking wait, whose Python calls are
+    # counted (tests/test_overhead.py); tests/test_budget_copies.py checks
+    # that the two agree.
+    if get_ident() != _main_thread:
         thread.join(timeout)
         return
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -21,15 +21,6 @@ def noop() -> None:
     pass
 
 
-async def test_sequential_awaits_are_served_by_one_worker():
-    # Woken only once the worker sleeps again, the loop's next fork finds it
-    # idle: no second worker starts while the first finishes its spell.
-    with aiopar.get_backend("thread", max_workers=2) as pool:
-        for _ in range(200):
-            await pool.fork(noop)
-        assert len(pool._workers) == 1
-
-
 async def test_another_callback_of_the_future_runs_after_the_await_is_woken():
     # The callback blocks until the awaiting coroutine has resumed: a
     # wake-up held past it would never come.

@@ -166,14 +166,20 @@ def test_shut_down_default_backend_is_replaced():
 def test_interop_threads_follow_set_num_interop_threads():
     old = aiopar.get_num_interop_threads()
     backend = ThreadBackend()
+    fixed = ThreadBackend(max_workers=2)  # keeps its own
     try:
         aiopar.set_num_interop_threads(3)
-        assert backend.max_workers == 3
+        assert (backend.max_workers, fixed.max_workers) == (3, 2)
+        with ThreadBackend() as made_now:
+            assert made_now.max_workers == 3
         with pytest.raises(ValueError, match="whole number >= 1"):
             aiopar.set_num_interop_threads(0)
+        assert backend.max_workers == 3
     finally:
         aiopar.set_num_interop_threads(old)
         backend.shutdown()
+        fixed.shutdown()
+    assert (backend.max_workers, fixed.max_workers) == (old, 2)
 
 
 def test_exit_with_pending_work_does_not_hang():

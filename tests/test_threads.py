@@ -552,10 +552,10 @@ def test_a_worker_running_queued_tasks_back_to_back_counts_once(monkeypatch):
     taken_in_workers = []
     take = budget.take
 
-    def counted_take():
+    def counted_take(*args, **kwargs):
         if threading.current_thread().name.startswith("aiopar-"):
             taken_in_workers.append(threading.current_thread().name)
-        take()
+        take(*args, **kwargs)
 
     backend = aiopar.get_backend("thread", max_workers=1)
     gate = threading.Event()

@@ -54,6 +54,7 @@ __all__ = ["COMPENSATION_LIMIT", "PoolTask", "ThreadBackend"]
 COMPENSATION_LIMIT = 64
 
 _backend_ids = itertools.count(1)
+
 _sniffio_thread = sniffio.thread_local
 
 # .worker: the _Worker running in this thread, if it is a pool's worker
@@ -150,12 +151,6 @@ class _Worker:
                 return
             task.run()
 
-    def end_spell(self) -> None:
-        """It stops: its spell of work in the budget ends, if it had one.
-        Called with its pool's lock held."""
-        if self.slot.busy:
-            self.slot.end_spell()
-
     def blocked(self) -> None:
         probe()
         if self.slot.counted:
@@ -217,11 +212,14 @@ class ThreadBackend(Backend):
         )
         self._initializer = initializer
         self._initargs = tuple(initargs)
+        with _limits_lock:  # a set_num_interop_threads() meanwhile is not missed
+            _live_pools.add(self)
+            # max_workers: read on every fork, and by every worker between tasks.
+            self._limit = max_workers or _budget.interop_threads
         if initializer is not None:
             # This pool's own task class; Backend.fork reads it off the instance.
             self.task_class = _InitializedPoolTask  # type: ignore[misc]
         self._reset()
-        _live_pools.add(self)
         probe()  # the budget listens from the first fork if BLAS is loaded already
 
     def _reset(self) -> None:
@@ -252,7 +250,7 @@ class ThreadBackend(Backend):
 
     @property
     def max_workers(self) -> int:
-        return self._max_workers or _budget.interop_threads
+        return self._limit
 
     def _backlog(self) -> int:
         """Tasks queued, in the shared queue and the workers' deques (some
@@ -269,7 +267,7 @@ class ThreadBackend(Backend):
         # Workers take queued tasks without the lock, so everything about
         # the task is settled before it is queued.
         task.forker = ident
-        limit = self._max_workers or _budget.interop_threads  # max_workers, inline
+        limit = self._limit
         if not (self._idle or self._closed or len(self._workers) - self._blocked < limit):
             # Every worker is busy and the pool is full, the common case of
             # a batch of forks: no worker to wake, so the task is queued
@@ -360,8 +358,9 @@ class ThreadBackend(Backend):
                 worker.slot,
                 forked_here
                 and self.forker_counts
-                # No event loop runs here: _bridge.running_async_library() is None,
-                # inline (this runs on every fork that wakes a worker).
+                # No event loop runs here: _bridge.running_async_library() is
+                # None, inline: once per fork that wakes a worker, whose calls
+                # tests/test_overhead.py counts.
                 and _get_running_loop() is None
                 and _sniffio_thread.name is None,
             )
@@ -378,7 +377,7 @@ class ThreadBackend(Backend):
             worker.thread.start()
         except RuntimeError:  # "can't start new thread": the limit of this system
             self._remove(worker)
-            worker.end_spell()
+            worker.slot.end_spell()
             if not self._workers:
                 raise
             return None  # the workers there are will take the task
@@ -423,7 +422,7 @@ class ThreadBackend(Backend):
             send_wakes(wakes)
             state["finishing"] = None
             with self._lock:
-                worker.end_spell()
+                worker.slot.end_spell()
                 if worker in self._workers:
                     # It stops on an error of aiopar's own (a task's never
                     # reaches here), which threading's excepthook reports:
@@ -478,11 +477,7 @@ class ThreadBackend(Backend):
         while True:
             # Over the limit (it went down, or a blocked worker came back):
             # stop before taking another task.
-            if (
-                len(self._workers) - self._blocked
-                > (self._max_workers or _budget.interop_threads)  # max_workers, inline
-                and self._retire(worker)
-            ):
+            if len(self._workers) - self._blocked > self._limit and self._retire(worker):
                 return
             # The next task: its own newest fork, else the oldest stolen from
             # another worker, else the oldest in the shared queue. Each deque
@@ -512,8 +507,7 @@ class ThreadBackend(Backend):
                     if self._closed:
                         self._remove(worker)
                         return
-                    if slot.busy:  # worker.end_spell(), inline: once per spell of work
-                        slot.end_spell()
+                    slot.end_spell()
                     self._idle.append(worker)
                     quiet = len(self._idle) == len(self._workers)
                     sharers = None
@@ -528,7 +522,7 @@ class ThreadBackend(Backend):
                 # went idle: the fork looks for an idle worker after queuing,
                 # this worker at the queues after going idle, so one of the
                 # two sees the other.
-                if self._tasks or any(self._queues):
+                if self._tasks or any(self._queues):  # self._backlog(), inline
                     with self._lock:
                         self._wake_for_queued()
                 # Idle now: the loops whose awaits its last task completed
@@ -582,7 +576,7 @@ class ThreadBackend(Backend):
             self._remove(worker)
             if self._backlog():
                 self._wake_worker()  # the wake-up that came here was for a task
-            worker.end_spell()
+            worker.slot.end_spell()
         return True
 
     def _retire_idle(self, worker: _Worker) -> bool:
@@ -706,6 +700,18 @@ def _cancel(tasks: list[PoolTask]) -> None:
 
 
 _live_pools: weakref.WeakSet[ThreadBackend] = weakref.WeakSet()
+_limits_lock = threading.Lock()
+
+
+def _follow_interop_threads(n: int) -> None:
+    # set_num_interop_threads(n): the pools made without max_workers follow it.
+    with _limits_lock:
+        for pool in list(_live_pools):
+            if pool._max_workers is None:
+                pool._limit = n
+
+
+_budget.interop_listeners.append(_follow_interop_threads)
 
 
 def _after_fork_in_child() -> None:
