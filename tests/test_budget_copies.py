@@ -142,3 +142,45 @@ def test_acquire_tells_the_main_thread_as_on_main_thread_does(monkeypatch, main)
     # On the main thread, a wait without a limit blocks in slices; elsewhere, in one piece.
     assert timeouts == ([_interrupt.SLICE] if on_main else [-1])
     assert on_main == (main == "this thread")
+
+
+@pytest.mark.parametrize("where", ["a plain thread", "asyncio", "trio"])
+def test_a_fork_counts_its_forker_only_where_no_event_loop_runs(ledger, where):
+    # ThreadBackend._wake_worker spells out _bridge.running_async_library()
+    # is None: a thread that runs an event loop awaits its forks, and never
+    # counts beside them (rule 3 of aiopar._budget).
+    from aiopar._bridge import running_async_library
+    from aiopar.backends.thread import ThreadBackend
+
+    seen: list[tuple[str | None, bool]] = []
+
+    def fork_here() -> None:
+        pool = ThreadBackend(max_workers=1)  # its first fork starts a worker
+        gate = threading.Event()
+        try:
+            pool.fork(gate.wait, 10)  # the pool stays busy until it is looked at
+            seen.append((running_async_library(), threading.get_ident() in pool._sharers))
+        finally:
+            gate.set()
+            pool.shutdown()  # which waits for the task
+
+    async def on_loop() -> None:
+        fork_here()
+
+    def run() -> None:
+        if where == "asyncio":
+            import asyncio
+
+            asyncio.run(on_loop())
+        elif where == "trio":
+            trio = pytest.importorskip("trio")
+            trio.run(on_loop)
+        else:
+            fork_here()
+
+    thread = threading.Thread(target=run)  # a fresh thread: a fresh slot
+    thread.start()
+    thread.join(timeout=30)
+    [(library, counted)] = seen
+    assert counted == (library is None)
+    assert (library is None) == (where == "a plain thread")
