@@ -329,7 +329,9 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
-        if not self._block(timeout):
+        # The state first: a done future's value is a call away (map and
+        # as_completed read thousands), not a pass through the blocking path.
+        if self._state in _WAITING and not self._block(timeout):
             raise TimeoutError(f"{self!r} is still not done after waiting {timeout} s")
         try:
             return self.value()
@@ -344,7 +346,7 @@ class Future(Generic[T], concurrent.futures.Future[T]):
         (``Executor.map`` passes negative timeouts once its deadline passes).
         """
         try:
-            return self.wait(cf_timeout(timeout))
+            return self.wait(None if timeout is None else cf_timeout(timeout))
         finally:
             del self  # no cycle: see the module's docstring
 

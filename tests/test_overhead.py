@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from helpers import run_python
+
+import aiopar
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,3 +118,32 @@ def test_a_batch_of_forks_makes_eight_python_calls_per_task_across_all_threads(p
     done = run_python(COUNT_BATCH_CALLS, program, timeout=50)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout) < 8.5, done.stdout
+
+
+def python_calls_per_read(read, futures):
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        for fut in futures:
+            read(fut)
+    finally:
+        sys.setprofile(None)
+    return calls / len(futures)
+
+
+@pytest.mark.parametrize("read", ["result", "wait"])
+def test_reading_a_done_future_skips_the_blocking_path(read):
+    # map and as_completed read thousands of done futures: the state is
+    # looked at first, and the blocking path never entered (result ->
+    # wait -> value; concurrent.futures' result() is two calls).
+    futures = [aiopar.fork(abs, -i) for i in range(200)]
+    aiopar.wait_all(futures)
+    assert python_calls_per_read(getattr(aiopar.Future, read), futures) <= (
+        3 if read == "result" else 2
+    )
