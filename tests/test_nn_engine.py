@@ -122,7 +122,31 @@ def test_onednn_gets_its_packed_kernel_on_avx512() -> None:
     assert set_lstm_engine("onednn") == "onednn"
     line = next(ln for ln in aiopar.parallel_info().splitlines() if "LSTM engine" in ln)
     assert "gemm:jit" not in line and ", brg:" in line, line
-    assert _onednn.load().matmul(52, 1024).implementation.startswith("brg:")
+    assert _onednn.load().matmul(52, 1024, 4096, accumulate=True).implementation.startswith("brg:")
+
+
+@pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))
+def test_onednn_runs_the_input_projection_with_its_packed_kernel(monkeypatch) -> None:
+    # The projection of a whole direction (T*B rows) is half the ensemble's
+    # work: where oneDNN is the engine, its primitive runs it, not numpy.
+    assert set_lstm_engine("onednn") == "onednn"
+    projected: list[tuple[int, int]] = []
+    real_project = _onednn.OneDNN.project
+
+    def project(self, weights, ws, x, out):
+        projected.append(x.shape)
+        real_project(self, weights, ws, x, out)
+
+    def numpy_project(weights, ws, x, out):
+        raise AssertionError("numpy ran the projection")
+
+    monkeypatch.setattr(_onednn.OneDNN, "project", project)
+    monkeypatch.setattr(_engine, "numpy_project", numpy_project)
+    lstm = LSTM(1024, 1024, bidirectional=True, seed=1)
+    lstm(np.ones((3, 50, 1024), np.float32))
+    assert projected == [(150, 1024), (150, 1024)]
+    kernel = _onednn.load().matmul(150, 1024, 4096, bias=True).implementation
+    assert kernel.startswith("brg:"), kernel
 
 
 @pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))
@@ -169,6 +193,59 @@ def test_a_failing_self_test_leaves_numpy_running(monkeypatch, caplog) -> None:
         assert set_lstm_engine("onednn") == "numpy"
     assert "self-test differs from numpy" in caplog.text
     assert "self-test differs from numpy" in aiopar.parallel_info()
+
+
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("layout", ["time-major", "batch-first", "strided"])
+def test_onednn_projection_equals_numpy(bias, layout) -> None:
+    # The projection alone, on inputs of any strides, with and without the
+    # bias the primitive adds.
+    from aiopar.nn import _recurrence
+
+    rng = np.random.default_rng(7)
+    steps, batch, features, hidden = 5, 6, 40, 24
+
+    def uniform(*shape: int) -> np.ndarray:
+        return rng.uniform(-0.2, 0.2, shape).astype(np.float32)
+
+    weights = _recurrence.pack_weights(
+        uniform(4 * hidden, features),
+        uniform(4 * hidden, hidden),
+        uniform(4 * hidden) if bias else None,
+        uniform(4 * hidden) if bias else None,
+    )
+    base = rng.standard_normal((batch, steps, 2 * features)).astype(np.float32)
+    x = {
+        "time-major": np.ascontiguousarray(base[:, :, :features].transpose(1, 0, 2)),
+        "batch-first": base[:, :, :features].transpose(1, 0, 2),
+        "strided": base[:, :, ::2].transpose(1, 0, 2),
+    }[layout]
+    x2d = x.reshape(steps * batch, features)
+    onednn = _onednn.load()
+    for _ in range(2):  # the second run reuses the workspace's memory, pointed at new arrays
+        want = np.empty((steps * batch, 4 * hidden), np.float32)
+        _recurrence.numpy_project(weights, _recurrence.Workspace(), x2d, want)
+        with _recurrence.workspace() as ws:
+            ws.fit(steps, batch, hidden)
+            got = ws.proj[: want.size].reshape(want.shape)
+            onednn.project(weights, ws, x2d, got)
+            np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+        x2d = x2d * 0.5
+
+
+@pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")
+def test_a_projection_onednn_refuses_runs_on_numpy(monkeypatch) -> None:
+    assert set_lstm_engine("onednn") == "onednn"
+    lstm = LSTM(5, 7, seed=3)
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    expected = lstm(x)[0]
+
+    def refuse(self, weights, ws, x, out):
+        raise _onednn.OneDNNError("no primitive for this shape")
+
+    monkeypatch.setattr(_onednn.OneDNN, "project", refuse)
+    np.testing.assert_allclose(lstm(x)[0], expected, atol=TOLERANCE)
 
 
 @pytest.mark.skipif(not onednn_loads(), reason="onednn-cpu-gomp not installed")

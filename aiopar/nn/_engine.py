@@ -1,4 +1,4 @@
-"""Which engine runs the LSTM's recurrent step: numpy (BLAS), or oneDNN when it pays.
+"""Which engine runs the LSTM's GEMMs: numpy (BLAS), or oneDNN when it pays.
 
 The choice is made once, at the first LSTM run (or `lstm_engine()` call):
 
@@ -25,10 +25,19 @@ from typing import Literal, cast
 import numpy as np
 
 from ._onednn import OneDNN, OneDNNError, load
-from ._recurrence import PackedWeights, Step, StepFactory, Workspace, numpy_step, pack_weights
+from ._recurrence import (
+    NUMPY,
+    Engine,
+    PackedWeights,
+    Step,
+    Workspace,
+    numpy_project,
+    numpy_step,
+    pack_weights,
+)
 from ._recurrence import run_direction as _run_direction
 
-__all__ = ["ENV_VAR", "engine_info", "lstm_engine", "set_lstm_engine", "step_factory"]
+__all__ = ["ENV_VAR", "current_engine", "engine_info", "lstm_engine", "set_lstm_engine"]
 
 _logger = logging.getLogger("aiopar")
 
@@ -44,7 +53,7 @@ SELF_TEST_TOLERANCE = 1e-5
 @dataclass(frozen=True, slots=True)
 class _Choice:
     name: Literal["numpy", "onednn"]
-    step_factory: StepFactory
+    engine: Engine
     why: str
 
 
@@ -62,14 +71,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def step_factory() -> StepFactory:
-    """The recurrent step of the engine that runs (chosen at the first call)."""
+def current_engine() -> Engine:
+    """The engine that runs (chosen at the first call)."""
     choice = _choice or _choose()
-    return choice.step_factory
+    return choice.engine
 
 
 def lstm_engine() -> Literal["numpy", "onednn"]:
-    """The engine that runs the LSTM's recurrent step: ``"numpy"`` or ``"onednn"``.
+    """The engine that runs the LSTM's GEMMs: ``"numpy"`` or ``"onednn"``.
 
     The first call (or the first LSTM run) makes the choice: see
     `set_lstm_engine`. `aiopar.parallel_info` says why it fell as it did.
@@ -80,8 +89,9 @@ def lstm_engine() -> Literal["numpy", "onednn"]:
 def set_lstm_engine(preference: Preference) -> Literal["numpy", "onednn"]:
     """Choose the LSTM engine again, by `preference`, and return the one that runs.
 
-    ``"numpy"`` runs the step through numpy's matmul (BLAS). ``"onednn"``
-    runs it through oneDNN if it loads and passes its self-test, else numpy.
+    ``"numpy"`` runs the input projection and the recurrent step through
+    numpy's matmul (BLAS). ``"onednn"`` runs them through oneDNN if it loads
+    and passes its self-test, else numpy.
     ``"auto"`` (the default, also read from the ``AIOPAR_LSTM_ENGINE``
     environment variable) does so only if oneDNN has a packed kernel for
     this CPU. The choice for each preference is made once: switching back
@@ -126,38 +136,45 @@ def _decide() -> _Choice:
         if raw not in _PREFERENCES:
             return _Choice(
                 "numpy",
-                numpy_step,
+                NUMPY,
                 f"{source} is not one of {', '.join(_PREFERENCES)}, so numpy runs",
             )
         preference = cast("Preference", raw)
     if preference == "numpy":
-        return _Choice("numpy", numpy_step, source)
+        return _Choice("numpy", NUMPY, source)
     try:
         onednn = load()
         kernel = _self_test(onednn)
     except Exception as error:  # any failure of an optional engine leaves numpy running
-        return _Choice("numpy", numpy_step, f"oneDNN not used: {error}")
+        return _Choice("numpy", NUMPY, f"oneDNN not used: {error}")
     if preference == "auto" and not kernel.startswith("brg"):
         return _Choice(
             "numpy",
-            numpy_step,
+            NUMPY,
             f"oneDNN {onednn.version} has only its generic kernel {kernel} for this CPU, "
             f"no faster than OpenBLAS; {ENV_VAR}=onednn uses it anyway",
         )
     return _Choice("onednn", _guarded(onednn), f"oneDNN {onednn.version}, {kernel} kernel")
 
 
-def _guarded(onednn: OneDNN) -> StepFactory:
-    """oneDNN's steps, or numpy's for a shape oneDNN refuses (logged at debug level)."""
+def _guarded(onednn: OneDNN) -> Engine:
+    """oneDNN's GEMMs, or numpy's for a shape oneDNN refuses (logged at debug level)."""
 
-    def make(weights: PackedWeights, ws: Workspace) -> Step:
+    def project(weights: PackedWeights, ws: Workspace, x: np.ndarray, out: np.ndarray) -> None:
+        try:
+            onednn.project(weights, ws, x, out)
+        except OneDNNError as error:
+            _logger.debug("oneDNN refused a projection, numpy runs it: %s", error)
+            numpy_project(weights, ws, x, out)
+
+    def step(weights: PackedWeights, ws: Workspace) -> Step:
         try:
             return onednn.step(weights, ws)
         except OneDNNError as error:
             _logger.debug("oneDNN refused a step, numpy runs it: %s", error)
             return numpy_step(weights, ws)
 
-    return make
+    return Engine(project, step)
 
 
 def _self_test(onednn: OneDNN) -> str:
@@ -179,13 +196,13 @@ def _self_test(onednn: OneDNN) -> str:
     x = rng.standard_normal((steps, batch, features)).astype(np.float32)
     h0, c0 = uniform(batch, hidden), uniform(batch, hidden)
     outputs = []
-    for factory in (numpy_step, onednn.step):
+    for engine in (NUMPY, Engine(onednn.project, onednn.step)):
         out = np.empty((steps, batch, hidden), np.float32)
-        h_n, c_n = _run_direction(weights, x, out, h0, c0, step_factory=factory)
+        h_n, c_n = _run_direction(weights, x, out, h0, c0, engine=engine)
         outputs.append(np.concatenate([out.ravel(), h_n.ravel(), c_n.ravel()]))
     difference = float(np.abs(outputs[0] - outputs[1]).max())
     if not difference <= SELF_TEST_TOLERANCE:
         raise OneDNNError(
             f"oneDNN {onednn.version}'s self-test differs from numpy by {difference:.3g}"
         )
-    return onednn.matmul(batch, hidden).implementation
+    return onednn.matmul(batch, hidden, 4 * hidden, accumulate=True).implementation

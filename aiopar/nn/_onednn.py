@@ -1,10 +1,13 @@
-"""The LSTM's recurrent step through oneDNN's matmul primitive, called with ctypes.
+"""The LSTM's GEMMs through oneDNN's matmul primitive, called with ctypes.
 
 OpenBLAS packs the 16 MB recurrent weight again on every step; oneDNN's
 matmul takes it once, reordered into the layout it picks for this CPU
 (``format_tag_any``), and folds the step's input projection in with a sum
 post-op. Its packed (brgemm) kernels ran that step at 98-99 GFLOP per
-CPU-second on an AVX-512 CPU, against 55-68 for OpenBLAS.
+CPU-second on an AVX-512 CPU, against 55-68 for OpenBLAS. The input
+projection of a whole direction (``x @ W_ih^T``, T*B rows) runs through the
+same kind of primitive, its weights reordered once too and the bias added
+by the primitive.
 
 The library comes from the ``onednn-cpu-gomp`` wheel (``pip install
 aiopar[onednn]``): its ``libdnnl.so.3`` is found through
@@ -14,9 +17,10 @@ name (``dnnl_fmt_tag2str``); the other enums used are fixed by the C API of
 oneDNN 3 (``DNNL_ARG_*``, ``dnnl_query_exec_arg_md``), which `load` checks.
 
 Primitives are made for one OpenMP thread, under a one-thread OpenMP limit in
-the thread that makes them: the step runs in streams of one thread each. The
+the thread that makes them: they run in streams of one thread each. The
 scratchpad is the caller's (``dnnl_scratchpad_mode_user``), one per
-workspace, so a primitive runs on whichever thread picks up its stream.
+workspace and primitive, so a primitive runs on whichever thread picks up
+its stream.
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ _IN_ORDER = 1  # dnnl_stream_in_order
 _SCRATCHPAD_USER = 1  # dnnl_scratchpad_mode_user
 _QUERY_IMPL_INFO_STR = 8  # dnnl_query_impl_info_str
 _QUERY_EXEC_ARG_MD = 255  # dnnl_query_exec_arg_md
-_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_SCRATCHPAD = 1, 17, 33, 80
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS, _ARG_SCRATCHPAD = 1, 17, 33, 41, 80
+
+#: primitives kept per engine, by shape: the step's and each sequence length's projection
+_MATMULS = 32
 
 _Handle = ctypes.c_void_p
 _Dims = ctypes.c_int64 * 12
@@ -99,6 +106,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "dnnl_memory_desc_equal": (ctypes.c_int, [_Handle, _Handle]),
     "dnnl_memory_create": (ctypes.c_int, [ctypes.POINTER(_Handle), _Handle, _Handle, _Handle]),
     "dnnl_memory_destroy": (ctypes.c_int, [_Handle]),
+    "dnnl_memory_set_data_handle": (ctypes.c_int, [_Handle, _Handle]),
     "dnnl_primitive_attr_create": (ctypes.c_int, [ctypes.POINTER(_Handle)]),
     "dnnl_primitive_attr_destroy": (ctypes.c_int, [_Handle]),
     "dnnl_primitive_attr_set_scratchpad_mode": (ctypes.c_int, [_Handle, ctypes.c_int]),
@@ -148,11 +156,15 @@ class _Owned:
         weakref.finalize(self, destroy, handle)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Matmul:
-    """A step primitive for one shape: ``dst[:rows, :4H] += src @ W``."""
+    """A primitive for one shape, all dense row-major but W: ``dst = src @ W``
+    (``+=`` with `accumulate`, ``+ bias`` with a bias), `src` ``(m, k)``."""
 
     primitive: _Owned
+    src_md: _Owned
+    dst_md: _Owned
+    bias_md: _Owned | None
     weights_md: _Owned  # the layout oneDNN picked for W
     scratchpad_md: _Owned
     scratchpad_bytes: int
@@ -161,10 +173,11 @@ class _Matmul:
 
 @dataclass(frozen=True, slots=True)
 class _Weights:
-    """One direction's recurrent weights in a layout a `_Matmul` of
+    """One of a direction's weights, `source`, in a layout a `_Matmul` of
     `owner`'s picked (oneDNN memory belongs to the engine that made it)."""
 
     owner: OneDNN
+    source: np.ndarray
     md: _Owned
     memory: _Owned
     buffer: np.ndarray
@@ -172,8 +185,9 @@ class _Weights:
 
 @dataclass(frozen=True, slots=True)
 class _Buffers:
-    """A workspace's ``h`` and gates as oneDNN memory, and its scratchpad,
-    for `matmul` (and the engine that made it) only."""
+    """oneDNN memory for the source and destination of `matmul` in one
+    workspace (pointed at the arrays of each use), and its scratchpad and
+    stream, for `matmul` (and the engine that made it) only."""
 
     matmul: _Matmul
     stream: _Owned
@@ -184,7 +198,7 @@ class _Buffers:
 
 
 class OneDNN:
-    """The loaded library: `step` makes recurrent steps for `run_direction`."""
+    """The loaded library: `project` and `step` are an engine for `run_direction`."""
 
     def __init__(self, path: str) -> None:
         try:
@@ -206,7 +220,7 @@ class OneDNN:
         engine = _Handle()
         self._check(lib.dnnl_engine_create(ctypes.byref(engine), _CPU, 0), "dnnl_engine_create")
         self.engine = engine
-        self._matmuls: dict[tuple[int, int], _Matmul] = {}
+        self._matmuls: dict[tuple[int, int, int, bool, bool], _Matmul] = {}
         self._lock = threading.Lock()
 
     def _format_tags(self, *names: str) -> dict[str, int]:
@@ -281,34 +295,48 @@ class OneDNN:
             "dnnl_primitive_execute",
         )
 
-    def matmul(self, rows: int, hidden: int) -> _Matmul:
-        """The step primitive for `rows` padded batch rows (made once per shape)."""
-        key = (rows, hidden)
+    def matmul(
+        self, m: int, k: int, n: int, *, accumulate: bool = False, bias: bool = False
+    ) -> _Matmul:
+        """The primitive for ``(m, k) @ (k, n)``, adding to its destination
+        with `accumulate`, and a bias with `bias` (made once per shape; the
+        last _MATMULS shapes are kept)."""
+        key = (m, k, n, accumulate, bias)
         made = self._matmuls.get(key)
         if made is None:
             with self._lock:
                 made = self._matmuls.get(key)
                 if made is None:
-                    made = self._matmuls[key] = self._make_matmul(rows, hidden)
+                    made = self._make_matmul(m, k, n, accumulate=accumulate, bias=bias)
+                    if len(self._matmuls) >= _MATMULS:  # the oldest goes: runs hold their own
+                        del self._matmuls[next(iter(self._matmuls))]
+                    self._matmuls[key] = made
         return made
 
-    def _make_matmul(self, rows: int, hidden: int) -> _Matmul:
+    def _make_matmul(self, m: int, k: int, n: int, *, accumulate: bool, bias: bool) -> _Matmul:
         from threadpoolctl import threadpool_limits
 
         lib = self.lib
-        src = self._md((rows, hidden), "ab")
-        weights = self._md((hidden, 4 * hidden), "any")
+        src = self._md((m, k), "ab")
+        weights = self._md((k, n), "any")
         # Dense, as the gates are: with a row stride of its own, oneDNN 3.2
         # passes over its packed (brgemm) kernels for the generic gemm:jit.
-        dst = self._md((rows, 4 * hidden), "ab")
+        dst = self._md((m, n), "ab")
+        bias_md = self._md((1, n), "ab") if bias else None
         attr = self._new(
             lib.dnnl_primitive_attr_create, destroy="dnnl_primitive_attr_destroy", call="attr"
         )
-        post_ops = self._new(lib.dnnl_post_ops_create, destroy="dnnl_post_ops_destroy", call="po")
-        self._check(
-            lib.dnnl_post_ops_append_sum(post_ops.handle, 1.0, 0, 0), "dnnl_post_ops_append_sum"
-        )
-        self._check(lib.dnnl_primitive_attr_set_post_ops(attr.handle, post_ops.handle), "post_ops")
+        if accumulate:
+            post_ops = self._new(
+                lib.dnnl_post_ops_create, destroy="dnnl_post_ops_destroy", call="po"
+            )
+            self._check(
+                lib.dnnl_post_ops_append_sum(post_ops.handle, 1.0, 0, 0),
+                "dnnl_post_ops_append_sum",
+            )
+            self._check(
+                lib.dnnl_primitive_attr_set_post_ops(attr.handle, post_ops.handle), "post_ops"
+            )
         self._check(
             lib.dnnl_primitive_attr_set_scratchpad_mode(attr.handle, _SCRATCHPAD_USER),
             "dnnl_primitive_attr_set_scratchpad_mode",
@@ -320,7 +348,7 @@ class OneDNN:
                 self.engine,
                 src.handle,
                 weights.handle,
-                None,
+                None if bias_md is None else bias_md.handle,
                 dst.handle,
                 attr.handle,
                 destroy="dnnl_primitive_desc_destroy",
@@ -350,23 +378,28 @@ class OneDNN:
         )
         return _Matmul(
             primitive,
+            src,
+            dst,
+            bias_md,
             picked,
             scratchpad,
             int(lib.dnnl_memory_desc_get_size(scratchpad.handle)),
             (info.value or b"?").decode(),
         )
 
-    def _weights(self, packed: PackedWeights, matmul: _Matmul) -> _Weights:
-        """`packed`'s recurrent weights in `matmul`'s layout, reordered once per layout."""
+    def _weights(self, packed: PackedWeights, source: np.ndarray, matmul: _Matmul) -> _Weights:
+        """`source`, one of `packed`'s weights, in `matmul`'s layout, reordered
+        once per weight and layout."""
         cached: list[_Weights] = packed.engine_data if isinstance(packed.engine_data, list) else []
         for entry in cached:
-            if entry.owner is self and self.lib.dnnl_memory_desc_equal(
-                entry.md.handle, matmul.weights_md.handle
+            if (
+                entry.owner is self
+                and entry.source is source
+                and self.lib.dnnl_memory_desc_equal(entry.md.handle, matmul.weights_md.handle)
             ):
                 return entry
         lib = self.lib
-        hidden = packed.hidden_size
-        plain_md = self._md((hidden, 4 * hidden), "ab")
+        plain_md = self._md(source.shape, "ab")
         size = int(lib.dnnl_memory_desc_get_size(matmul.weights_md.handle))
         buffer = _aligned_floats(size)
         reorder_pd = self._new(
@@ -380,42 +413,73 @@ class OneDNN:
             call="dnnl_reorder_primitive_desc_create",
         )
         reorder = self._primitive(reorder_pd)
-        plain = np.ascontiguousarray(packed.w_hh_t)
+        plain = np.ascontiguousarray(source)
         memory = self._memory(matmul.weights_md, buffer)
         self._execute(
             reorder, self._stream(), [(_ARG_SRC, self._memory(plain_md, plain)), (_ARG_DST, memory)]
         )
-        entry = _Weights(self, matmul.weights_md, memory, buffer)
+        entry = _Weights(self, source, matmul.weights_md, memory, buffer)
         packed.engine_data = [*cached, entry]
         return entry
 
-    def _buffers(self, ws: Workspace, matmul: _Matmul) -> _Buffers:
-        """`ws`'s buffers as oneDNN memory (made once per workspace buffers
-        and primitive: workspaces outlive the engine they last served, which
-        is loaded anew after a failure or a ``load.cache_clear()``, and a
-        stream of another engine is refused)."""
-        made = ws.engine_data
-        if isinstance(made, _Buffers) and made.matmul is matmul:
-            return made
-        rows, hidden = ws.h.shape
-        scratchpad = _aligned_floats(matmul.scratchpad_bytes)
-        made = ws.engine_data = _Buffers(
-            matmul,
-            self._stream(),
-            self._memory(self._md((rows, hidden), "ab"), ws.h),
-            self._memory(self._md((rows, 4 * hidden), "ab"), ws.gates),
-            self._memory(matmul.scratchpad_md, scratchpad),
-            scratchpad,
-        )
+    def _buffers(
+        self, ws: Workspace, matmul: _Matmul, src: np.ndarray, dst: np.ndarray
+    ) -> _Buffers:
+        """`matmul`'s memory in `ws`, pointed at `src` and `dst` (dense arrays
+        of its shapes). Made once per workspace and primitive: workspaces
+        outlive the engine they last served, which is loaded anew after a
+        failure or a ``load.cache_clear()``, and a stream of another engine
+        is refused."""
+        made_in_ws = ws.engine_data if isinstance(ws.engine_data, dict) else {}
+        made = made_in_ws.get(matmul)
+        if made is None:
+            scratchpad = _aligned_floats(matmul.scratchpad_bytes)
+            made = _Buffers(
+                matmul,
+                self._stream(),
+                self._memory(matmul.src_md, src),
+                self._memory(matmul.dst_md, dst),
+                self._memory(matmul.scratchpad_md, scratchpad),
+                scratchpad,
+            )
+            if len(made_in_ws) >= _MATMULS:
+                made_in_ws = {}
+            made_in_ws[matmul] = made
+            ws.engine_data = made_in_ws
+        else:
+            for memory, array in ((made.src, src), (made.dst, dst)):
+                self._check(
+                    self.lib.dnnl_memory_set_data_handle(memory.handle, array.ctypes.data),
+                    "dnnl_memory_set_data_handle",
+                )
         return made
+
+    def project(self, packed: PackedWeights, ws: Workspace, x: np.ndarray, out: np.ndarray) -> None:
+        """Set `out` to ``x @ W_ih^T`` plus the bias, in one primitive call
+        (`x` is copied first if it is not dense and row-major)."""
+        rows, features = x.shape
+        bias = packed.bias
+        matmul = self.matmul(rows, features, out.shape[1], bias=bias is not None)
+        weights = self._weights(packed, packed.w_ih_t, matmul)
+        src = np.ascontiguousarray(x)
+        buffers = self._buffers(ws, matmul, src, out)
+        args = [
+            (_ARG_SRC, buffers.src),
+            (_ARG_WEIGHTS, weights.memory),
+            (_ARG_DST, buffers.dst),
+            (_ARG_SCRATCHPAD, buffers.scratchpad),
+        ]
+        if bias is not None and matmul.bias_md is not None:
+            args.append((_ARG_BIAS, self._memory(matmul.bias_md, bias)))
+        self._execute(matmul.primitive, buffers.stream, args)
 
     def step(self, packed: PackedWeights, ws: Workspace) -> Step:
         """The recurrent step of `packed` in `ws`: copy the projection into
         the gates, then add ``h @ W_hh^T`` to them in one primitive call."""
         rows, hidden = ws.h.shape
-        matmul = self.matmul(rows, hidden)
-        weights = self._weights(packed, matmul)
-        buffers = self._buffers(ws, matmul)
+        matmul = self.matmul(rows, hidden, 4 * hidden, accumulate=True)
+        weights = self._weights(packed, packed.w_hh_t, matmul)
+        buffers = self._buffers(ws, matmul, ws.h, ws.gates)
         batch = ws.tanh_c.shape[0]
         live = ws.gates[:batch]
         args = (_ExecArg * 4)(

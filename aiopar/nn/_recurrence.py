@@ -43,9 +43,13 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "NUMPY",
+    "Engine",
     "PackedWeights",
+    "Project",
     "StepFactory",
     "Workspace",
+    "numpy_project",
     "numpy_step",
     "pack_weights",
     "run_direction",
@@ -60,14 +64,28 @@ _F32 = np.float32
 #: ``0 @ W_hh^T``).
 Step = Callable[[np.ndarray], None]
 StepFactory = Callable[["PackedWeights", "Workspace"], Step]
+#: The input projection of a whole direction in one workspace: called with
+#: ``x`` as ``(T*B, I)`` (any strides) and a dense ``(T*B, 4H)`` view of the
+#: workspace's projection buffer, it sets the latter to ``x @ W_ih^T`` plus
+#: the bias, if any.
+Project = Callable[["PackedWeights", "Workspace", np.ndarray, np.ndarray], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """What runs the two GEMMs of `run_direction`: the input projection of
+    every step at once, and the recurrent step."""
+
+    project: Project
+    step: StepFactory
 
 
 @dataclass(eq=False, slots=True)
 class PackedWeights:
     """One direction of one layer, rearranged for `run_direction`.
 
-    `engine_data` is for an engine's own copy of the recurrent weights (a
-    reordered layout), made at its first use and dropped with the weights.
+    `engine_data` is for an engine's own copies of the weights (a reordered
+    layout), made at their first use and dropped with the weights.
     """
 
     w_ih_t: np.ndarray  # (I, 4H): gates (o, i, f, g) scaled by (-1, -1, -1, -2)
@@ -110,8 +128,8 @@ class Workspace:
     ``(rows, 2H)``, ``h`` and ``tanh(c)``.
 
     Sized by `fit`; the projection buffer only grows. `engine_data` is for
-    an engine's handles on these buffers, which `fit` drops whenever it
-    replaces one.
+    an engine's handles on these buffers (pointed at the arrays of each use),
+    which `fit` drops whenever it replaces the state's buffers.
     """
 
     __slots__ = ("engine_data", "g_s", "gates", "h", "proj", "tanh_c")
@@ -164,6 +182,13 @@ def workspace() -> Iterator[Workspace]:
             _spare.append(lent)
 
 
+def numpy_project(weights: PackedWeights, ws: Workspace, x: np.ndarray, out: np.ndarray) -> None:
+    """The input projection through numpy's matmul (BLAS), then the bias."""
+    np.matmul(x, weights.w_ih_t, out=out)
+    if weights.bias is not None:
+        out += weights.bias
+
+
 def numpy_step(weights: PackedWeights, ws: Workspace) -> Step:
     """The recurrent step through numpy's matmul (BLAS)."""
     batch = ws.tanh_c.shape[0]
@@ -177,6 +202,10 @@ def numpy_step(weights: PackedWeights, ws: Workspace) -> Step:
     return step
 
 
+#: both GEMMs through numpy's matmul
+NUMPY = Engine(numpy_project, numpy_step)
+
+
 def run_direction(
     weights: PackedWeights,
     x: np.ndarray,
@@ -186,7 +215,7 @@ def run_direction(
     *,
     reverse: bool = False,
     accumulate: bool = False,
-    step_factory: StepFactory = numpy_step,
+    engine: Engine = NUMPY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run one LSTM direction over `x` and write every hidden state into `out`.
 
@@ -195,7 +224,7 @@ def run_direction(
     state after input ``x[t]``, or has it added with `accumulate`. With
     `reverse` the steps run from ``T - 1`` down to 0, which is
     ``flip(lstm(flip(x)))``. `h0` and `c0` are ``(B, H)`` or None for zeros.
-    `step_factory` makes the recurrent step (numpy's matmul by default).
+    `engine` runs the GEMMs (numpy's matmul by default).
     Returns the final ``(h, c)`` as new ``(B, H)`` arrays.
     """
     steps, batch, features = x.shape
@@ -213,12 +242,10 @@ def run_direction(
             np.multiply(c0, -2.0, out=s)
         if steps:
             proj = ws.proj[: steps * batch * 4 * hidden].reshape(steps * batch, 4 * hidden)
-            np.matmul(x.reshape(steps * batch, features), weights.w_ih_t, out=proj)
-            if weights.bias is not None:
-                proj += weights.bias
+            engine.project(weights, ws, x.reshape(steps * batch, features), proj)
             with np.errstate(over="ignore"):  # exp(z) = inf is a gate's limit: 0 or 1
                 _recur(
-                    step_factory(weights, ws),
+                    engine.step(weights, ws),
                     proj.reshape(steps, batch, 4 * hidden),
                     ws.gates[:batch],
                     ws.g_s[:batch],

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._engine import step_factory
+from ._engine import current_engine
 from ._recurrence import PackedWeights, pack_weights, run_direction
 from .module import Module
 
@@ -249,7 +249,7 @@ class LSTM(Module):
         h_n = np.empty((layers, batch, hidden), np.float32)
         c_n = np.empty((layers, batch, hidden), np.float32)
         packed = self._packed_weights()
-        step = step_factory()
+        engine = current_engine()
         layer_input = x
         for layer in range(self.num_layers):
             last = layer == self.num_layers - 1
@@ -264,7 +264,7 @@ class LSTM(Module):
                     None if state is None else state[1][k],
                     reverse=(d == 1) != reverse,
                     accumulate=accumulate and last,
-                    step_factory=step,
+                    engine=engine,
                 )
             layer_input = layer_out
         return h_n, c_n
