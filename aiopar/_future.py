@@ -47,10 +47,12 @@ __all__ = [
     "Future",
     "add_callback",
     "block_until_done",
+    "cancel_claimed",
     "claim",
     "copy_outcome",
     "failed",
     "first_failed",
+    "renew_lock",
     "retrieve",
     "settle",
     "until_done",
@@ -872,6 +874,17 @@ claim: Callable[[Future[Any]], bool] = Future._claim
 #: ``exception`` if it is not None), waiters woken and callbacks run; False
 #: if the future was done already. A forked task's future is settled only so.
 settle: Callable[[Future[Any], Any, BaseException | None], bool] = Future._settle
+
+#: ``cancel_claimed(fut)``: RUNNING -> cancelled, for a task claimed but
+#: never started (see :meth:`Future._cancel_claimed`); False if not running.
+cancel_claimed: Callable[[Future[Any]], bool] = Future._cancel_claimed
+
+
+def renew_lock(fut: Future[Any]) -> None:
+    """Give ``fut`` a new lock, in a child made by ``os.fork()``: a thread
+    of the parent, which the child does not have, may have held the old one."""
+    fut._lock = threading.Lock()
+
 
 #: ``retrieve(fut)``: its exception or None; the failure now counts as read,
 #: so it is not logged when the future goes.

@@ -25,7 +25,7 @@ from typing import IO, Any
 import cloudpickle
 
 from .._fresh import fresh_python
-from .._future import Future
+from .._future import Future, claim
 from .._shm import SegmentPool
 from . import _process_wire as wire
 from ._base import Task
@@ -84,7 +84,7 @@ class Job:
         if task is not None and task.claim() is not None:
             if self.items is not None:
                 # An item whose future was cancelled (or settled by hand) is not called.
-                self.skip = [i for i, item in enumerate(self.items) if not item._claim()]
+                self.skip = [i for i, item in enumerate(self.items) if not claim(item)]
             return True
         if self.future.running():
             return True

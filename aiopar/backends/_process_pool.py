@@ -35,7 +35,7 @@ from typing import Any
 from .. import _interrupt
 from .._errors import BrokenWorkerError
 from .._fresh import importable
-from .._future import Future
+from .._future import Future, cancel_claimed, renew_lock
 from .._shm import SegmentPool
 from .._waiter import set_waiter
 from . import _process_wire as wire
@@ -972,7 +972,7 @@ class Pool:
         self.segments.close_after_fork()
         self._fresh_state()
         for job in jobs:
-            job.future._lock = threading.Lock()  # its holder may be a thread that is gone
+            renew_lock(job.future)
             error = BrokenWorkerError(
                 f"{job.name}() was forked on {self.label} in process {parent}, which then "
                 f"forked this process (os.fork); the task runs for the parent, so its "
@@ -1111,7 +1111,7 @@ def settle(future: Future[Any], outcome: tuple[Any, BaseException | None] | None
     try:
         if outcome is None:
             if not future.cancel():
-                future._cancel_claimed()  # sent to a worker that never got to it
+                cancel_claimed(future)  # sent to a worker that never got to it
         else:
             Task.settle(future, outcome)
     except BaseException as exc:

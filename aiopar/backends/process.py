@@ -67,7 +67,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _budget, _trace
-from .._future import Future
+from .._future import Future, settle
 from ._base import Backend, Task, check_count, check_initializer
 from ._process_handle import Job, check_setup
 from ._process_pickle import (
@@ -114,7 +114,7 @@ class _Outcomes:
                 continue  # cancelled before the chunk was sent
             ok, value = outcome
             if ok:
-                future._settle(value, None)
+                settle(future, value, None)
             else:
                 Task.settle(future, (None, remote_exception(value, self.name)))
 
