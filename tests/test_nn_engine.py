@@ -128,8 +128,10 @@ def test_onednn_gets_its_packed_kernel_on_avx512() -> None:
 @pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))
 def test_onednn_runs_the_input_projection_with_its_packed_kernel(monkeypatch) -> None:
     # The projection of a whole direction (T*B rows) is half the ensemble's
-    # work: where oneDNN is the engine, its primitive runs it, not numpy.
+    # work: where oneDNN is the engine, its primitive runs it, not numpy, on
+    # the one intra-op thread each of the ensemble's forks has.
     assert set_lstm_engine("onednn") == "onednn"
+    aiopar.set_num_threads(1)
     projected: list[tuple[int, int]] = []
     real_project = _onednn.OneDNN.project
 
@@ -142,11 +144,36 @@ def test_onednn_runs_the_input_projection_with_its_packed_kernel(monkeypatch) ->
 
     monkeypatch.setattr(_onednn.OneDNN, "project", project)
     monkeypatch.setattr(_engine, "numpy_project", numpy_project)
-    lstm = LSTM(1024, 1024, bidirectional=True, seed=1)
-    lstm(np.ones((3, 50, 1024), np.float32))
+    try:
+        lstm = LSTM(1024, 1024, bidirectional=True, seed=1)
+        lstm(np.ones((3, 50, 1024), np.float32))
+    finally:
+        aiopar.set_num_threads(None)
     assert projected == [(150, 1024), (150, 1024)]
     kernel = _onednn.load().matmul(150, 1024, 4096, bias=True).implementation
     assert kernel.startswith("brg:"), kernel
+
+
+@pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))
+def test_numpy_runs_the_projection_where_more_intra_op_threads_are_free(monkeypatch) -> None:
+    # oneDNN's primitives run on one thread; outside forks numpy's BLAS
+    # spreads the projection over every intra-op thread (a single LSTM call
+    # was 1.25x slower in wall time on one thread).
+    assert set_lstm_engine("onednn") == "onednn"
+    projected: list[tuple[int, int]] = []
+    real_project = _engine.numpy_project
+
+    def numpy_project(weights, ws, x, out):
+        projected.append(x.shape)
+        real_project(weights, ws, x, out)
+
+    monkeypatch.setattr(_engine, "numpy_project", numpy_project)
+    aiopar.set_num_threads(2)
+    try:
+        LSTM(64, 64, seed=1)(np.ones((3, 5, 64), np.float32))
+    finally:
+        aiopar.set_num_threads(None)
+    assert projected == [(15, 64)]
 
 
 @pytest.mark.skipif(packed_kernel_expected() is not None, reason=str(packed_kernel_expected()))

@@ -24,6 +24,8 @@ from typing import Literal, cast
 
 import numpy as np
 
+import aiopar
+
 from ._onednn import OneDNN, OneDNNError, load
 from ._recurrence import (
     NUMPY,
@@ -161,6 +163,12 @@ def _guarded(onednn: OneDNN) -> Engine:
     """oneDNN's GEMMs, or numpy's for a shape oneDNN refuses (logged at debug level)."""
 
     def project(weights: PackedWeights, ws: Workspace, x: np.ndarray, out: np.ndarray) -> None:
+        # oneDNN's primitives run on one thread: with more intra-op threads
+        # to use (an LSTM run outside forks), numpy's BLAS spreads the
+        # projection, half of the FLOPs, over them.
+        if aiopar.get_num_threads() > 1:
+            numpy_project(weights, ws, x, out)
+            return
         try:
             onednn.project(weights, ws, x, out)
         except OneDNNError as error:
