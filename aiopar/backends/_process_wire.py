@@ -50,8 +50,11 @@ TASK, RESULT, ERROR, READY, RELEASE, PATH, TRACE, CHUNK, SKIP = 1, 2, 3, 4, 5, 6
 # kind, segment flags, buffer count, released-id count, message id,
 # segment id, segment size, payload size, start and end times (ns)
 _HEADER = struct.Struct("<BBxxIIxxxxqQQQqq")
+# The header's padding, as numbers: read in one call, checked to be zero.
+_PADDING = struct.Struct("<2xH8xI")
 # segment flags: there is a segment; the pickle is in it, after the buffers
 _HAS_SEGMENT, _PICKLE_IN_SEGMENT = 1, 2
+_FLAGS = _HAS_SEGMENT | _PICKLE_IN_SEGMENT  # every flag a header may carry
 _ANC_SIZE = socket.CMSG_SPACE(16 * array("i").itemsize)
 # A plain int: ``&`` on the socket module's flag enum is a Python call (about
 # a microsecond), made on every read of the round trip.
@@ -324,8 +327,7 @@ def _header(buf: bytearray) -> tuple[int, ...]:
     zero padding, and sizes within bounds."""
     fields = _HEADER.unpack_from(buf)
     kind, flags, nbufs, nrel, _, _, _, plen, _, _ = fields
-    known = kind in _KINDS and flags <= _HAS_SEGMENT | _PICKLE_IN_SEGMENT
-    if not known or buf[2:4] != b"\0\0" or buf[12:16] != b"\0\0\0\0":  # the padding
+    if kind not in _KINDS or flags > _FLAGS or _PADDING.unpack_from(buf) != (0, 0):
         raise BadFrame(f"a header that is not one (its first bytes: {bytes(buf[:16]).hex()})")
     if nbufs + nrel > _MAX_IDS or plen > _MAX_PAYLOAD:
         raise BadFrame(
