@@ -3,9 +3,11 @@ a result slow to unpickle holds up its own future only."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import pickle
+import struct
 import threading
 import weakref
 
@@ -42,6 +44,13 @@ def test_a_result_slow_to_unpickle_holds_up_only_its_own_future(own_pool, tmp_pa
         ({"a": [1]}, True),
         (range(3), False),
         (os.urandom(8192), False),
+        # Plain data whose bytes hold an opcode's value (0x93, STACK_GLOBAL;
+        # 0x82, EXT1): read opcode by opcode, it names no global.
+        (struct.unpack("<d", b"\x93" * 8)[0], True),
+        (0x82, True),
+        ([struct.unpack("<d", b"\x84" * 8)[0], "x"], True),
+        (collections.OrderedDict(a=struct.unpack("<d", b"\x93" * 8)[0]), False),
+        ([b"\x93" * 300], False),  # too long to read: the longer way
     ],
 )
 def test_the_manager_unpickles_only_small_plain_data_itself(value, quick):

@@ -12,6 +12,7 @@ busy with one result never holds up another, which gets a thread of its own.
 
 from __future__ import annotations
 
+import pickletools
 import queue
 import threading
 from collections.abc import Callable
@@ -24,8 +25,14 @@ __all__ = ["QUICK_PICKLE", "Unpicklers", "calls_no_code"]
 QUICK_PICKLE = 4096
 # A pickle reaches code through a global, which protocol 5 names with
 # STACK_GLOBAL (0x93) or through the extension registry (EXT1, EXT2, EXT4:
-# 0x82 to 0x84). These bytes may also be part of some data, which then only
-# takes the longer way.
+# 0x82 to 0x84). These bytes may also be part of some data: then a short
+# pickle has its opcodes read, and a longer one takes the longer way.
+#: the longest pickle whose opcodes are read when its bytes cannot tell
+EXACT_SCAN = 256
+# Opcodes that reach code or an object's methods: a global (and what only a
+# global can give: a class to instantiate, a callable to reduce with), an
+# extension-registry entry, a persistent id.
+_CODE_OPCODES = frozenset("c\x93i\x82\x83\x84PQRbo\x81\x92")
 # How long a thread with nothing to do waits for more before it exits.
 IDLE_EXIT = 1.0
 
@@ -38,9 +45,17 @@ def calls_no_code(payload: bytes | bytearray | memoryview) -> bool:
     if len(payload) > QUICK_PICKLE:
         return False
     data = bytes(payload) if isinstance(payload, memoryview) else payload
-    return (
-        b"\x93" not in data and b"\x82" not in data and b"\x83" not in data and b"\x84" not in data
-    )
+    if b"\x93" not in data and b"\x82" not in data and b"\x83" not in data and b"\x84" not in data:
+        return True
+    # One of those bytes may be data (a float's or an int's: one result in
+    # eleven of random floats has one): a short pickle's opcodes are read,
+    # a few microseconds, where handing it to a thread costs a wake-up.
+    if len(data) > EXACT_SCAN:
+        return False
+    try:
+        return not any(op.code in _CODE_OPCODES for op, _, _ in pickletools.genops(data))
+    except Exception:  # not a pickle: loading it raises, which a thread reports as well
+        return False
 
 
 class Unpicklers:
