@@ -18,6 +18,7 @@ from typing import Any
 
 from ._bridge import running_async_library
 from ._errors import CancelledError
+from ._future import claim, settle
 
 __all__ = ["CoroutineFork", "forks_of", "settling_run", "start_on_asyncio"]
 
@@ -79,8 +80,8 @@ class CoroutineFork:
         if fut is None or fut.done():
             return
         if not fut.cancel():  # it had started
-            fut._settle(
-                None, CancelledError(f"the event loop running this coroutine {what_happened}")
+            settle(
+                fut, None, CancelledError(f"the event loop running this coroutine {what_happened}")
             )
 
 
@@ -98,7 +99,7 @@ def settling_run(
     async def run() -> None:
         nonlocal fut
         try:
-            if not fut._claim():
+            if not claim(fut):
                 return
             try:
                 if record is None:
@@ -107,15 +108,15 @@ def settling_run(
                     result = await record.run_in_steps(fn, args, kwargs)
             except BaseException as exc:
                 if not _is_cancellation(exc) and not isinstance(exc, GeneratorExit):
-                    fut._settle(None, exc)
+                    settle(fut, None, exc)
                     return
                 closed = isinstance(exc, GeneratorExit)
                 what = "was closed before it finished" if closed else "cancelled it"
                 error = CancelledError(f"the event loop running this coroutine {what}")
                 error.__cause__ = exc
-                fut._settle(None, error)
+                settle(fut, None, error)
                 raise  # a task must not swallow its own cancellation
-            fut._settle(result, None)
+            settle(fut, result, None)
         finally:
             fut = None  # a failure's traceback holds this frame: no cycle (see Future)
 

@@ -861,10 +861,11 @@ def _index_of_failed(futures: list[Future[Any]]) -> int | None:
 # calling the method did: no Python call is added on the hot path, whose
 # calls tests/test_overhead.py counts.
 #
-# One exception: Backend.fork and submit_chunk store a forked task's future's
-# ``_task`` themselves (the task that settles it, which a waiter may run:
-# see _blocking.help_first), once, before the task is queued. A call for it,
-# even a C one (the slot's setter), cost 5% of a batch of forks.
+# One exception: Backend.fork and submit_chunk, and _loop.start_coroutine for
+# a coroutine fork, store a forked task's future's ``_task`` themselves (the
+# task that settles it, which a waiter may run: see _blocking.help_first),
+# once, before the task is queued. A call for it, even a C one (the slot's
+# setter), cost 5% of a batch of forks.
 
 #: ``claim(fut)``: PENDING -> RUNNING, for the one thread that will run its
 #: task; False if it was cancelled or claimed already.
