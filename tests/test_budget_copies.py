@@ -1,7 +1,8 @@
 """The places where the hot path spells out a function to save its call,
 each against its original: Slot.first_task and Slot.end_spell count tokens
 as Budget.take and Budget.give_back do, Slot.blocked learns as Slot._waits
-does, and _interrupt.acquire tells the main thread as on_main_thread does.
+does, _interrupt.acquire tells the main thread as on_main_thread does, and
+the thread pool's idle path looks for queued work as _backlog does.
 (tests/test_task.py does the same for the task's claim.)"""
 
 from __future__ import annotations
@@ -184,3 +185,46 @@ def test_a_fork_counts_its_forker_only_where_no_event_loop_runs(ledger, where):
     [(library, counted)] = seen
     assert counted == (library is None)
     assert (library is None) == (where == "a plain thread")
+
+
+# The thread pool's idle path looks for queued work as `self._tasks or
+# any(self._queues)`, marked "self._backlog(), inline": each such expression,
+# read from the source, is true exactly when _backlog() is not zero.
+_INLINE_BACKLOG = "# self._backlog(), inline"
+
+
+def _inline_backlogs() -> list[str]:
+    import inspect
+
+    from aiopar.backends import thread
+
+    source = inspect.getsource(thread)
+    lines = [line for line in source.splitlines() if line.rstrip().endswith(_INLINE_BACKLOG)]
+    expressions = []
+    for line in lines:
+        code = line.split("#", 1)[0].strip()
+        assert code.startswith("if ") and code.endswith(":"), line
+        expressions.append(code[3:-1])
+    return expressions
+
+
+def test_the_idle_path_spells_backlog_as_backlog_does():
+    from collections import deque
+
+    from aiopar.backends.thread import ThreadBackend
+
+    expressions = _inline_backlogs()
+    assert len(expressions) == 2, expressions  # a new copy is named here too
+    pool = ThreadBackend(max_workers=1)
+    try:
+        for tasks in (0, 1, 3):
+            for queued in ([], [0], [0, 0], [2], [0, 1], [1, 2]):
+                pool._tasks = deque(range(tasks))  # type: ignore[assignment]
+                pool._queues = tuple(deque(range(n)) for n in queued)
+                backlog = pool._backlog()
+                for expression in expressions:
+                    inline = eval(expression, {"any": any}, {"self": pool})
+                    assert bool(inline) == bool(backlog), (expression, tasks, queued)
+    finally:
+        pool._tasks, pool._queues = deque(), ()
+        pool.shutdown()
