@@ -148,11 +148,23 @@ class _Mark:
 class StallWatcher:
     """One pool's watcher thread. The pool calls :meth:`start` with its
     first worker, :meth:`wake` (under its lock) when a worker starts while
-    the watcher sleeps, and :meth:`stop` at shutdown; the watcher calls the
-    pool's ``_stall`` and ``_unstall`` to count workers out and in."""
+    the watcher sleeps, and :meth:`stop` at shutdown.
 
-    def __init__(self, pool: Any) -> None:  # a ThreadBackend (which imports this module)
-        self._pool = pool
+    What the watcher needs of the pool it is given, not read from it: the
+    prefix of its threads' names, its lock, its set of workers (changed
+    under that lock), and ``stall(worker, task)`` and ``unstall(worker)``,
+    which count a worker out (True if it was) and in again.
+    """
+
+    def __init__(
+        self,
+        thread_names: str,
+        lock: threading.Lock,
+        workers: set[Any],
+        stall: Callable[[Any, Any], bool],
+        unstall: Callable[[Any], None],
+    ) -> None:
+        self._lock, self._workers, self._stall, self._unstall = lock, workers, stall, unstall
         self._alarm = threading.Event()
         self.parked = False
         self._stopped = False
@@ -161,7 +173,7 @@ class StallWatcher:
         self.thread = threading.Thread(
             target=self._watch,
             # Not the workers' prefix, which tests and users count workers by.
-            name=pool._thread_names.replace("aiopar-", "aiopar-watcher-", 1),
+            name=thread_names.replace("aiopar-", "aiopar-watcher-", 1),
             daemon=True,
         )
 
@@ -184,9 +196,9 @@ class StallWatcher:
             if self._look():
                 idle_since = now
             elif now - idle_since >= PARK_AFTER:
-                with self._pool._lock:
+                with self._lock:
                     # Under the lock: a worker that starts after this sees it parked.
-                    if not any(w.task is not None for w in self._pool._workers):
+                    if not any(w.task is not None for w in self._workers):
                         self.parked = True
                         self._alarm.clear()
                 if self.parked:
@@ -200,11 +212,11 @@ class StallWatcher:
 
     def _look(self) -> bool:
         """Judge every worker that runs a task; return whether any does."""
-        pool, marks = self._pool, self._marks
+        marks = self._marks
         now = time.perf_counter()
         busy = False
         # list() copies the set in one step under the GIL, while workers come and go.
-        workers = list(pool._workers)
+        workers = list(self._workers)
         for worker in workers:
             task = worker.task
             if task is None or worker.held is WAITING:
@@ -224,12 +236,12 @@ class StallWatcher:
             share = (cpu - mark.cpu) / elapsed
             if worker.held is not None:
                 if share > BUSY_SHARE:  # it computes after all
-                    pool._unstall(worker)
+                    self._unstall(worker)
                     learn(mark.key, False)
             elif share < IDLE_SHARE:
                 doing = _doing(worker.thread.native_id)
                 if doing is IN_OTHER_CALL or (doing is not RUNS and elapsed >= LOCK_WINDOW):
-                    if pool._stall(worker, task):
+                    if self._stall(worker, task):
                         learn(mark.key, True)
                 elif doing is not RUNS:
                     continue  # a futex wait: judged once it lasts, from the same mark

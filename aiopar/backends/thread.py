@@ -382,7 +382,9 @@ class ThreadBackend(Backend):
                 raise
             return None  # the workers there are will take the task
         if watcher is None and _stall.SUPPORTED:
-            self._watcher = _stall.StallWatcher(self)
+            self._watcher = _stall.StallWatcher(
+                self._thread_names, self._lock, self._workers, self._stall, self._unstall
+            )
             self._watcher.start()
         return worker
 
