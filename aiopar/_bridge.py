@@ -85,7 +85,7 @@ class Bridge:
                 return  # a wake-up is already on its way and will run fn too
         if done is not None:
             state = _waiter.local.__dict__
-            if done is state.get("finishing"):
+            if id(done) == state.get("finishing"):
                 state["wakes"].append(self.wake)
                 return
         self.wake()
@@ -109,7 +109,9 @@ def hold_wakes() -> tuple[dict[str, Any], list[Callable[[], Any]]]:
     the list they wait in.
 
     Before each task it runs, the worker sets ``state["finishing"]`` to the
-    task's future: an await of that future completed by its settling wakes
+    id of the task's future (an id, not the future: an idle thread keeps no
+    task's result alive; a later future given the same id has its wake-up
+    held at most as long): an await of that future completed by its settling wakes
     its loop when the worker calls :func:`send_wakes`, which it must do
     before its next task, before it blocks or stops, and ``finishing``
     set to ``None`` once the future is settled and the wake-ups sent.

@@ -541,7 +541,7 @@ class ThreadBackend(Backend):
                 continue
             if wakes:  # the last task's awaits: its loops wake before this one runs
                 send_wakes(wakes)
-            state["finishing"] = task.future
+            state["finishing"] = id(task.future)
             worker.task = task
             if blocking_keys and presumed(task.fn):
                 self._stall(worker, task)  # it blocked last time: counted out from the start
