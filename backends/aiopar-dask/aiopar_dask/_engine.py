@@ -209,7 +209,12 @@ async def _start(
         waiting = _rounds.wait_for_ranks(
             peer.scheduler, agent.round, world_size, options.rpc_timeout
         )
-        if not await agent.unless_scheduler_lost(waiting):
+        try:
+            met = await agent.unless_scheduler_lost(waiting)
+        except OSError as exc:  # its connection broke before the scheduler counted as lost
+            agent.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
+            met = False
+        if not met:
             raise ConnectionError(
                 f"init_rpc: the scheduler at {address} went away while this rank waited for "
                 f"ranks 0 to {world_size - 1} to join ({agent.scheduler_gone}); the rank that "
