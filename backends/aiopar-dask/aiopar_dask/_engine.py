@@ -211,6 +211,8 @@ async def _start(
         )
         try:
             met = await agent.unless_scheduler_lost(waiting)
+        except TimeoutError:  # an OSError too: the ranks did not come in time
+            raise
         except OSError as exc:  # its connection broke before the scheduler counted as lost
             agent.lose_scheduler(f"the scheduler went away ({type(exc).__name__}: {exc})")
             met = False
