@@ -26,9 +26,9 @@ from distributed.comm.core import connect
 
 __all__ = [
     "TLS_ADVICE",
-    "accepts",
     "check_scheduler",
     "check_scheduler_blocking",
+    "listener",
     "wait_for_listener",
 ]
 
@@ -181,40 +181,32 @@ async def _explain(
 async def wait_for_listener(
     host: str, port: int, deadline: float | None, context: ssl.SSLContext | None = None
 ) -> bool:
-    """Return once ``host:port`` accepts a connection (see :func:`accepts`),
+    """Return once ``host:port`` accepts a connection (see :func:`listener`),
     whether it spoke TLS; until ``deadline`` (``time.monotonic()``; None:
     no limit) one that fails is tried again (the scheduler may be
     starting). Raises TimeoutError if a try outlasts the deadline,
     ``socket.gaierror`` for a host name that does not resolve, and
     ConnectionRefusedError once the deadline has passed."""
-    while (tls := await _listener(host, port, deadline, context)) is None:
+    while (tls := await listener(host, port, deadline, context)) is None:
         if deadline is not None and time.monotonic() + RETRY >= deadline:
             raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
         await asyncio.sleep(RETRY)
     return tls
 
 
-async def accepts(
+async def listener(
     host: str, port: int, deadline: float | None, context: ssl.SSLContext | None = None
-) -> bool:
-    """One try: whether something accepts a connection at ``host:port``
-    (False: refused, or the connection failed); with ``context``, through a
-    TLS handshake, so that a TLS server is not left with a connection that
-    never spoke TLS (dask logs a warning for each). A TLS handshake that
-    fails tells that something listens: True. Raises TimeoutError past
-    ``deadline``, or after :data:`SILENT` seconds (a server that accepts
-    and never answers the handshake), and ``socket.gaierror`` for a host
-    name that does not resolve."""
-    return await _listener(host, port, deadline, context) is not None
-
-
-async def _listener(
-    host: str, port: int, deadline: float | None, context: ssl.SSLContext | None
 ) -> bool | None:
-    """:func:`accepts`, telling what accepted: None if nothing did, else
-    whether it spoke TLS (with ``context``: the handshake ended, or broke
-    off over certificates or with a TLS alert, all of which only a TLS
-    server sends)."""
+    """One try: None if nothing accepts a connection at ``host:port``
+    (refused, or the connection failed), else whether what accepted spoke
+    TLS, which only a try with ``context`` can tell (without one: False).
+    With ``context`` the try is a TLS handshake, so that a TLS server is not
+    left with a connection that never spoke TLS (dask logs a warning for
+    each); a handshake that the server breaks off over certificates or with
+    a TLS alert tells a TLS server too. Raises TimeoutError past
+    ``deadline``, or after :data:`SILENT` seconds (a server that accepts and
+    never answers the handshake), and ``socket.gaierror`` for a host name
+    that does not resolve."""
     left = SILENT if deadline is None else min(max(deadline - time.monotonic(), 0), SILENT)
     try:
         async with asyncio.timeout(left):

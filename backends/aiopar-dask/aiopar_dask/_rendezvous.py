@@ -29,7 +29,7 @@ from distributed.comm.addressing import parse_address, parse_host_port
 
 from . import _credentials
 from ._cluster import cluster_security, scheduler_spec
-from ._reach import RETRY, TLS_ADVICE, accepts, check_scheduler
+from ._reach import RETRY, TLS_ADVICE, check_scheduler, listener
 
 __all__ = ["HELD_TIMEOUT", "RendezvousScheduler", "endpoint", "host", "join", "join_held"]
 
@@ -199,17 +199,20 @@ async def _certificates_of_rank_0(
 ) -> Security | None:
     """Once something listens at ``where``: the certificates rank 0 left
     for the ranks of this machine, if it did (None: no file, so a
-    scheduler of another machine, or of the user's). Tries again while
-    the connection is refused, until ``deadline``."""
+    scheduler of another machine, or of the user's; or a dead rank 0's
+    file beside a server that speaks no TLS). Tries again while the
+    connection is refused, until ``deadline``."""
     start = time.monotonic()
     while True:
         # A file there may be a dead rank 0's, so it is read again once
-        # something listens: rank 0 writes it before its scheduler does.
+        # something listens: rank 0 writes it before its scheduler does,
+        # and its scheduler always takes TLS.
         found = _credentials.load(*where)
         context = None if found is None else found.get_connection_args("client")["ssl_context"]
         try:
-            if await accepts(*where, deadline, context):
-                return _credentials.load(*where)
+            tls = await listener(*where, deadline, context)
+            if tls is not None:
+                return None if found is not None and not tls else _credentials.load(*where)
         except (TimeoutError, socket.gaierror):
             return found  # check_scheduler says what is there
         if deadline is not None and time.monotonic() + RETRY >= deadline:

@@ -310,7 +310,8 @@ def test_shutdown_of_the_other_ranks_survives_a_crashed_rank_0(how, tmp_path):
     # is closed" (rank 0's scheduler closed their peers as it went).
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(CRASHING))
-    env = rank_environment(free_port())
+    # (a killed rank 0 leaves its certificates: here, not in the user's directory)
+    env = rank_environment(free_port(), XDG_RUNTIME_DIR=str(tmp_path))
     ranks = [
         subprocess.Popen(
             [sys.executable, str(script), str(rank), how],
@@ -380,6 +381,26 @@ def test_a_rank_waiting_in_init_rpc_fails_at_once_when_rank_0_dies(tmp_path):
     assert out.startswith("ConnectionError init_rpc: the scheduler at"), err
     assert "rank 0" in out and "crashed" in out, out
     assert spent < 15, spent
+
+
+def test_a_dead_rank_0_s_certificates_do_not_bar_a_later_scheduler_without_tls(
+    scheduler, tmp_path, monkeypatch, leaves_nothing_behind
+):
+    # A rank 0 killed at its rendezvous leaves its certificates behind; a
+    # plain scheduler that later got the same port was refused by every
+    # process that joined it ("takes no TLS, and this process's Security
+    # requires encryption").
+    import distributed
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    host, port = scheduler.removeprefix("tcp://").rsplit(":", 1)
+    _credentials.save(host, int(port), distributed.Security.temporary())
+    options = rpc.RpcBackendOptions(init_method=scheduler)
+    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        assert rpc.agent.current_agent().worker.scheduler.address == scheduler
+    finally:
+        rpc.shutdown()
 
 
 def test_rank_0_says_at_once_what_holds_the_port_when_it_is_no_dask_scheduler():
