@@ -6,9 +6,8 @@ before the loop runs it rides along. On Linux, asyncio and uvloop loops are
 woken through an eventfd they watch.
 
 A pool's worker that completes an await as it settles its own task holds
-that wake-up until it next stops running aiopar's code (before its next
-task, before it sleeps, before anyone else's callback runs): see
-:func:`hold_wakes`.
+that wake-up until the task's run is over (or anyone else's callback is to
+run): see :func:`hold_wakes`.
 """
 
 from __future__ import annotations
@@ -111,18 +110,19 @@ def hold_wakes() -> tuple[dict[str, Any], list[Callable[[], Any]]]:
     Before each task it runs, the worker sets ``state["finishing"]`` to the
     id of the task's future (an id, not the future: an idle thread keeps no
     task's result alive; a later future given the same id has its wake-up
-    held at most as long): an await of that future completed by its settling wakes
-    its loop when the worker calls :func:`send_wakes`, which it must do
-    before its next task, before it blocks or stops, and ``finishing``
-    set to ``None`` once the future is settled and the wake-ups sent.
+    held at most as long): an await of that future completed by its
+    settling wakes its loop when the worker calls :func:`send_wakes`, which
+    it must do once the task's run is over, before its next task, before it
+    blocks or stops; ``finishing`` is set to ``None`` before it sleeps.
     Before any other callback runs in this thread, the wake-ups go
     (``_callbacks.run_each``), so no code but aiopar's runs while one waits.
 
-    Why: the loop cannot run while the worker holds the GIL, and the write
-    that wakes it lets the GIL go. Woken before the worker has gone idle,
-    the loop takes the GIL, forks again and wakes a second worker while the
-    first still finishes its spell; woken last, it finds the worker asleep,
-    and one worker serves a sequence of awaits.
+    Why: the write that wakes a loop lets the GIL go, and the loop may take
+    it at once and fork again. Sent from inside the settling, it found the
+    worker still busy with the rest of its task, and a second worker was
+    woken; held to the end of the run, the worker first counts itself as
+    on its way to the queues (as a worker just woken is), the loop's next
+    fork wakes nobody, and one worker serves a sequence of awaits.
     """
     state = _waiter.local.__dict__
     wakes: list[Callable[[], Any]] = state.setdefault("wakes", [])

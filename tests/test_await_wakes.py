@@ -1,6 +1,6 @@
-"""A pool's worker holds the wake-up of an await its task completes until it
-stops running aiopar's code (aiopar._bridge.hold_wakes): never past code of
-anyone else's. Every test runs on asyncio, uvloop and trio."""
+"""A pool's worker holds the wake-up of an await its task completes until the
+task's run is over (aiopar._bridge.hold_wakes): never past code of anyone
+else's. Every test runs on asyncio, uvloop and trio."""
 
 from __future__ import annotations
 
@@ -78,3 +78,26 @@ async def test_an_idle_worker_keeps_nothing_of_its_last_task():
             return gone() is None
 
         eventually(collected)
+
+
+async def test_a_fork_made_as_the_worker_heads_for_the_queues_wakes_no_other(monkeypatch):
+    # The worker wakes the loop once its task's run is over, and counts as
+    # on its way to the queues (as a woken worker does) until it takes a
+    # task or goes idle: the loop's next fork meanwhile is left to it.
+    from aiopar.backends import thread
+
+    forked_again = threading.Event()
+    sent = thread.send_wakes
+
+    def send_then_pause(wakes: list) -> None:
+        sent(wakes)
+        assert forked_again.wait(30)
+
+    monkeypatch.setattr(thread, "send_wakes", send_then_pause)
+    with aiopar.get_backend("thread", max_workers=2) as pool:
+        await pool.fork(noop)
+        second = pool.fork(threading.get_ident)
+        workers = len(pool._workers)
+        forked_again.set()
+        assert await second == next(iter(pool._workers)).thread.ident
+    assert workers == 1

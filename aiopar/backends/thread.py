@@ -116,7 +116,17 @@ class _Worker:
     """One worker thread: its deque of forks, the lock it sleeps on while
     idle, its standing in the budget, and what it runs."""
 
-    __slots__ = ("context", "forks", "held", "pool", "slot", "task", "thread", "wake_up")
+    __slots__ = (
+        "context",
+        "forks",
+        "held",
+        "pool",
+        "searching",
+        "slot",
+        "task",
+        "thread",
+        "wake_up",
+    )
 
     def __init__(self, pool: ThreadBackend) -> None:
         self.pool = pool
@@ -127,6 +137,10 @@ class _Worker:
         # Why the pool counts it out, if it does: WAITING in aiopar's wait,
         # or blocked OUTSIDE aiopar (see _stall). Changed under the pool's lock.
         self.held: str | None = None
+        # Counted in the pool's _waking, on its way to the queues after
+        # waking event loops whose next forks it may take (see _run_tasks).
+        # Its own thread changes it, under the pool's lock.
+        self.searching = False
         self.context = Context()
         # Held while it runs; it sleeps on it while idle, released by the
         # thread that wakes it. One lock per worker wakes exactly one.
@@ -234,7 +248,9 @@ class ThreadBackend(Backend):
         # has only just gone to sleep made a sequential `await fork(f)` twice
         # as slow on a 2-core VM.
         self._idle: collections.deque[_Worker] = collections.deque()
-        self._waking = 0  # idle workers woken that have not looked at the queues yet
+        # Workers on their way to the queues: idle ones woken that have not
+        # looked yet, and those that woke event loops (_Worker.searching).
+        self._waking = 0
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)  # notified for drain()
         self._draining = 0  # threads in drain()
@@ -425,6 +441,8 @@ class ThreadBackend(Backend):
             state["finishing"] = None
             with self._lock:
                 worker.slot.end_spell()
+                if worker.searching:
+                    self._arrived(worker)
                 if worker in self._workers:
                     # It stops on an error of aiopar's own (a task's never
                     # reaches here), which threading's excepthook reports:
@@ -474,12 +492,17 @@ class ThreadBackend(Backend):
     ) -> None:
         """Run tasks until the worker retires or the pool stops. ``state``
         and ``wakes``: the thread's, from _bridge.hold_wakes, whose wake-ups
-        of event loops go before each task and before the worker sleeps."""
+        of event loops go as each task's run ends."""
         slot, forks, shared = worker.slot, worker.forks, self._tasks
         while True:
             # Over the limit (it went down, or a blocked worker came back):
-            # stop before taking another task.
-            if len(self._workers) - self._blocked > self._limit and self._retire(worker):
+            # stop before taking another task (not while counted as on its
+            # way to the queues: see below).
+            if (
+                len(self._workers) - self._blocked > self._limit
+                and not worker.searching
+                and self._retire(worker)
+            ):
                 return
             # The next task: its own newest fork, else the oldest stolen from
             # another worker, else the oldest in the shared queue. Each deque
@@ -504,6 +527,8 @@ class ThreadBackend(Backend):
                 if _budget_slots.hook is None:
                     probe()
                 with self._lock:
+                    if worker.searching:
+                        self._arrived(worker)
                     if self._tasks or any(self._queues):  # self._backlog(), inline
                         continue
                     if self._closed:
@@ -527,11 +552,7 @@ class ThreadBackend(Backend):
                 if self._tasks or any(self._queues):  # self._backlog(), inline
                     with self._lock:
                         self._wake_for_queued()
-                # Idle now: the loops whose awaits its last task completed
-                # are woken last (see _bridge.hold_wakes).
                 state["finishing"] = None
-                if wakes:
-                    send_wakes(wakes)
                 # Released by the fork that has work for it.
                 while not worker.wake_up.acquire(timeout=self.idle_retire):
                     if self._retire_idle(worker):
@@ -539,8 +560,9 @@ class ThreadBackend(Backend):
                 with self._lock:
                     self._waking -= 1
                 continue
-            if wakes:  # the last task's awaits: its loops wake before this one runs
-                send_wakes(wakes)
+            if worker.searching:
+                with self._lock:
+                    self._arrived(worker)
             state["finishing"] = id(task.future)
             worker.task = task
             if blocking_keys and presumed(task.fn):
@@ -559,6 +581,22 @@ class ThreadBackend(Backend):
             if worker.held is not None:
                 self._unstall(worker)
             del task  # the worker keeps no reference while it waits for the next
+            if wakes:
+                # The loops whose awaits its task completed wake now (see
+                # _bridge.hold_wakes), this worker counted as on its way to
+                # the queues as a worker just woken is, until it takes a
+                # task or goes idle: a fork that a loop makes meanwhile
+                # wakes no other worker, and this one takes it.
+                with self._lock:
+                    worker.searching = True
+                    self._waking += 1
+                send_wakes(wakes)
+
+    def _arrived(self, worker: _Worker) -> None:
+        """``worker``, on its way to the queues since it woke event loops,
+        has taken a task or goes idle. Called with self._lock held."""
+        worker.searching = False
+        self._waking -= 1
 
     def _retire(self, worker: _Worker) -> bool:
         """Stop this worker if the pool has more than its limit; True if so.
