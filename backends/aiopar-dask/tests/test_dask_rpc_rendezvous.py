@@ -403,6 +403,26 @@ def test_a_dead_rank_0_s_certificates_do_not_bar_a_later_scheduler_without_tls(
         rpc.shutdown()
 
 
+@pytest.mark.parametrize("broken", ["CommClosedError", "ConnectionResetError"])
+def test_a_rank_whose_connection_breaks_as_it_waits_in_init_rpc_names_the_scheduler(
+    broken, scheduler, monkeypatch, leaves_nothing_behind
+):
+    # Its connection to the scheduler broke (rank 0 killed) before the
+    # scheduler counted as lost: dask's CommClosedError came out of init_rpc.
+    from aiopar_dask import _rounds
+    from distributed.comm import CommClosedError
+
+    error = {"CommClosedError": CommClosedError, "ConnectionResetError": ConnectionResetError}
+
+    async def connection_breaks(*args: object) -> bool:
+        raise error[broken]("in <TCP (closed)>: ConnectionResetError: [Errno 104]")
+
+    monkeypatch.setattr(_rounds, "wait_for_ranks", connection_breaks)
+    options = rpc.RpcBackendOptions(init_method=scheduler, rpc_timeout=60)
+    with pytest.raises(ConnectionError, match=f"init_rpc: the scheduler at {scheduler} went away"):
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options)
+
+
 def test_rank_0_says_at_once_what_holds_the_port_when_it_is_no_dask_scheduler():
     # A silent server on MASTER_PORT (torch's TCPStore is one) kept rank 0 waiting 60 s.
     script = """
