@@ -306,7 +306,8 @@ def test_tasks_queued_at_exit_may_still_use_a_thread_pool_executor():
 
         def task(i):
             time.sleep(0.01)
-            print("task", i, executor.submit(int, str(i)).result(), flush=True)
+            got = executor.submit(int, str(i)).result()
+            print(f"task {i} {got}\\n", end="", flush=True)  # one write: two may run at once
 
         pool = aiopar.get_backend("thread", max_workers=1)
         for i in range(3):
