@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -294,6 +295,20 @@ def async_rows(scale: float, rounds: int, workers: int) -> list[Row]:
             )
         )
         round_trip.close()
+        minimal = MinimalPool(loop)
+        rows.append(
+            (
+                f"sequential await fork(noop) ({loop_name})",
+                MINIMAL_POOL,
+                *paired(
+                    on_loop(await_forks),
+                    on_loop(functools.partial(minimal.sequential, n)),
+                    n,
+                    rounds,
+                ),
+            )
+        )
+        minimal.close()
         rows.append(
             (
                 f"sequential await fork(noop) ({loop_name})",
@@ -334,11 +349,37 @@ def _done_future() -> aiopar.Future[None]:
     return fut
 
 
+class LoopWake:
+    """The least a thread does to wake an event loop: one write to an
+    eventfd the loop watches, whose reader reads it back and calls
+    ``on_wake`` (where there is eventfd; else ``call_soon_threadsafe``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None]) -> None:
+        self.loop = loop
+        self.on_wake = on_wake
+        self.fd = -1
+        self.wake: Callable[[], object]
+        if hasattr(os, "eventfd"):
+            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            loop.add_reader(self.fd, self._read)
+            self.wake = functools.partial(os.eventfd_write, self.fd, 1)
+        else:
+            self.wake = functools.partial(loop.call_soon_threadsafe, on_wake)
+
+    def _read(self) -> None:
+        os.eventfd_read(self.fd)
+        self.on_wake()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+
+
 class RoundTrip:
     """The limit of any ``await`` on work done in another thread, with no
     library: the loop hands a job to one plain thread through a lock, the
-    thread answers with one eventfd write the loop watches (where there is
-    eventfd, else ``call_soon_threadsafe``), and the loop awaits a plain
+    thread answers with one :class:`LoopWake`, and the loop awaits a plain
     future. Each await pays the two cross-thread wake-ups and nothing else.
     """
 
@@ -347,14 +388,7 @@ class RoundTrip:
         self.job = threading.Lock()
         self.job.acquire()
         self.waiter: asyncio.Future[None] | None = None
-        self.answer: Callable[[], None]
-        self.fd = -1
-        if hasattr(os, "eventfd"):
-            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            loop.add_reader(self.fd, self._on_answer)
-            self.answer = functools.partial(os.eventfd_write, self.fd, 1)
-        else:
-            self.answer = lambda: loop.call_soon_threadsafe(self._on_answer)
+        self.answer = LoopWake(loop, self._on_answer)
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -363,11 +397,9 @@ class RoundTrip:
             self.job.acquire()
             if self.waiter is None:
                 return
-            self.answer()
+            self.answer.wake()
 
     def _on_answer(self) -> None:
-        if self.fd >= 0:
-            os.eventfd_read(self.fd)
         self.waiter.set_result(None)  # type: ignore[union-attr]
 
     async def sequential(self, n: int) -> None:
@@ -380,9 +412,106 @@ class RoundTrip:
         self.waiter = None
         self.job.release()
         self.thread.join()
-        if self.fd >= 0:
-            self.loop.remove_reader(self.fd)
-            os.close(self.fd)
+        self.answer.close()
+
+
+class MinimalPool:
+    """The least a pool with futures does per await, a floor for aiopar's:
+    a future with a lock, a state and its waiters; one worker that sleeps
+    on a lock while its queue is empty; the loop woken by a
+    :class:`LoopWake` whose reader sets every waiter posted since (one
+    wake-up per batch). No budget, no stand-in workers, no cancel, no
+    profiler, no error handling: each await pays the bare round trip and
+    one future's making, locking and settling.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.loop_wake = LoopWake(loop, self._drain)
+        self.posted: list[asyncio.Future[None]] = []
+        self.tasks: collections.deque[tuple[Callable[[], Any] | None, _MinimalFuture]]
+        self.tasks = collections.deque()
+        self.lock = threading.Lock()
+        self.wake_up = threading.Lock()
+        self.wake_up.acquire()
+        self.idle = True
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    def fork(self, fn: Callable[[], Any] | None) -> _MinimalFuture:
+        fut = _MinimalFuture(self)
+        self.tasks.append((fn, fut))
+        with self.lock:
+            if self.idle:
+                self.idle = False
+                self.wake_up.release()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            self.wake_up.acquire()
+            while True:
+                try:
+                    fn, fut = self.tasks.popleft()
+                except IndexError:
+                    with self.lock:
+                        if self.tasks:
+                            continue
+                        self.idle = True
+                    break
+                if fn is None:
+                    return
+                fut.settle(fn())
+
+    def post(self, waiter: asyncio.Future[None]) -> None:
+        with self.lock:
+            self.posted.append(waiter)
+            if len(self.posted) > 1:
+                return
+        self.loop_wake.wake()
+
+    def _drain(self) -> None:
+        with self.lock:
+            posted, self.posted = self.posted, []
+        for waiter in posted:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def sequential(self, n: int) -> None:
+        for _ in range(n):
+            await self.fork(noop)
+
+    def close(self) -> None:
+        self.fork(None)
+        self.thread.join()
+        self.loop_wake.close()
+
+
+class _MinimalFuture:
+    __slots__ = ("done", "lock", "pool", "result", "waiters")
+
+    def __init__(self, pool: MinimalPool) -> None:
+        self.pool = pool
+        self.lock = threading.Lock()
+        self.done = False
+        self.result: Any = None
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def settle(self, result: Any) -> None:
+        with self.lock:
+            self.result, self.done = result, True
+            waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            self.pool.post(waiter)
+
+    def __await__(self) -> Any:
+        with self.lock:
+            waiter = None if self.done else self.pool.loop.create_future()
+            if waiter is not None:
+                self.waiters.append(waiter)
+        if waiter is not None:
+            yield from waiter
+        return self.result
 
 
 def _run_on(
@@ -539,8 +668,10 @@ def main(argv: list[str] | None = None) -> None:
 # The issue's targets: (aiopar row, anchor row, the least anchor / aiopar
 # asked, the floor rows). A floor is what the same work costs with no thread
 # hand-off at all (the task run inline, asyncio's own gather of futures done
-# already); no implementation of a thread pool in Python costs less, so
+# already), or, for an await, in the least pool that has futures at all
+# (MinimalPool); no implementation of a thread pool in Python costs less, so
 # anchor / (sum of floors) is the most any could reach in this run.
+MINIMAL_POOL = "the floor: a minimal pool's await (MinimalPool)"
 INLINE_FLOOR = (
     "fork 10,000 then wait all",
     "the floor: the same on the inline backend (no thread)",
@@ -571,7 +702,7 @@ TARGETS: list[tuple[tuple[str, str], float, list[tuple[str, str]]]] = [
                     "the limit: bare loop-to-thread round trip",
                 ),
                 1 / 1.2,
-                [],
+                [(f"sequential await fork(noop) ({loop})", MINIMAL_POOL)],
             ),
             ((f"sequential await fork(noop) ({loop})", "await asyncio.to_thread(noop)"), 1.0, []),
             (

@@ -33,6 +33,7 @@ def test_overhead_benchmark_runs_and_prints_its_targets() -> None:
     assert "anchor / aiopar" in result.stdout
     assert "targets" in result.stdout
     assert "gather of 2,000 forks (asyncio)" in result.stdout
+    assert "the floor: a minimal pool's await (MinimalPool)" in result.stdout
 
 
 def _verdicts(rows: list[tuple[str, str, float, float]]) -> str:
