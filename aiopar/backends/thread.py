@@ -137,9 +137,9 @@ class _Worker:
         # Why the pool counts it out, if it does: WAITING in aiopar's wait,
         # or blocked OUTSIDE aiopar (see _stall). Changed under the pool's lock.
         self.held: str | None = None
-        # Counted in the pool's _waking, on its way to the queues after
-        # waking event loops whose next forks it may take (see _run_tasks).
-        # Its own thread changes it, under the pool's lock.
+        # Counted in the pool's _waking: on its way to the queues, woken from
+        # idle or having woken event loops whose next forks it may take,
+        # until it takes a task or goes idle. Changed under the pool's lock.
         self.searching = False
         self.context = Context()
         # Held while it runs; it sleeps on it while idle, released by the
@@ -248,8 +248,7 @@ class ThreadBackend(Backend):
         # has only just gone to sleep made a sequential `await fork(f)` twice
         # as slow on a 2-core VM.
         self._idle: collections.deque[_Worker] = collections.deque()
-        # Workers on their way to the queues: idle ones woken that have not
-        # looked yet, and those that woke event loops (_Worker.searching).
+        # Workers on their way to the queues (_Worker.searching).
         self._waking = 0
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)  # notified for drain()
@@ -386,8 +385,8 @@ class ThreadBackend(Backend):
         if watcher is not None and watcher.parked:
             watcher.wake()
         if asleep:
+            self._on_its_way(worker)
             worker.wake_up.release()
-            self._waking += 1
             return worker
         try:
             worker.thread.start()
@@ -496,13 +495,8 @@ class ThreadBackend(Backend):
         slot, forks, shared = worker.slot, worker.forks, self._tasks
         while True:
             # Over the limit (it went down, or a blocked worker came back):
-            # stop before taking another task (not while counted as on its
-            # way to the queues: see below).
-            if (
-                len(self._workers) - self._blocked > self._limit
-                and not worker.searching
-                and self._retire(worker)
-            ):
+            # stop before taking another task.
+            if len(self._workers) - self._blocked > self._limit and self._retire(worker):
                 return
             # The next task: its own newest fork, else the oldest stolen from
             # another worker, else the oldest in the shared queue. Each deque
@@ -553,12 +547,11 @@ class ThreadBackend(Backend):
                     with self._lock:
                         self._wake_for_queued()
                 state["finishing"] = None
-                # Released by the fork that has work for it.
+                # Released by the fork that has work for it, which counts it
+                # as on its way to the queues.
                 while not worker.wake_up.acquire(timeout=self.idle_retire):
                     if self._retire_idle(worker):
                         return
-                with self._lock:
-                    self._waking -= 1
                 continue
             if worker.searching:
                 with self._lock:
@@ -584,17 +577,21 @@ class ThreadBackend(Backend):
             if wakes:
                 # The loops whose awaits its task completed wake now (see
                 # _bridge.hold_wakes), this worker counted as on its way to
-                # the queues as a worker just woken is, until it takes a
-                # task or goes idle: a fork that a loop makes meanwhile
-                # wakes no other worker, and this one takes it.
+                # the queues as a woken worker is: a fork that a loop makes
+                # meanwhile wakes no other worker, and this one takes it.
                 with self._lock:
-                    worker.searching = True
-                    self._waking += 1
+                    self._on_its_way(worker)
                 send_wakes(wakes)
 
+    def _on_its_way(self, worker: _Worker) -> None:
+        """``worker`` will look at the queues before it sleeps: a fork meanwhile
+        need not wake another for its task. Called with self._lock held."""
+        worker.searching = True
+        self._waking += 1
+
     def _arrived(self, worker: _Worker) -> None:
-        """``worker``, on its way to the queues since it woke event loops,
-        has taken a task or goes idle. Called with self._lock held."""
+        """``worker``, on its way to the queues, has taken a task or goes
+        idle (or stops). Called with self._lock held."""
         worker.searching = False
         self._waking -= 1
 
@@ -614,6 +611,8 @@ class ThreadBackend(Backend):
             if not self._backlog() or (tasks and blocking_keys and presumed(tasks[0].fn)):
                 return False
             self._remove(worker)
+            if worker.searching:
+                self._arrived(worker)
             if self._backlog():
                 self._wake_worker()  # the wake-up that came here was for a task
             worker.slot.end_spell()
@@ -716,8 +715,9 @@ class ThreadBackend(Backend):
             queued = self._take_queued() if cancel_pending else []
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
-                self._idle.popleft().wake_up.release()  # to stop: it counts for nothing
-                self._waking += 1
+                worker = self._idle.popleft()
+                self._on_its_way(worker)
+                worker.wake_up.release()  # to stop: it counts for nothing
             threads = [worker.thread for worker in self._workers]
             watcher = self._watcher
             if watcher is not None:
