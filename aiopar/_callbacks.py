@@ -42,19 +42,20 @@ def run_each(fut: Any, callbacks: Iterable[Callable[[Any], object]]) -> None:
 def run_callbacks(fut: Any, callbacks: list[Callable[[Any], object]]) -> None:
     """Run the callbacks of ``fut``, which has just been settled, here or,
     if this thread is running callbacks already, after those."""
-    deferred = local.__dict__.get("deferred")
+    state = local.__dict__
+    deferred = state.get("deferred")
     if deferred is not None:
         # Already running callbacks further up this thread's stack: queue
         # these for that loop instead of nesting another call.
         deferred.append((fut, callbacks))
         return
-    local.deferred = deferred = deque()
+    state["deferred"] = deferred = deque()
     try:
         run_each(fut, callbacks)
         while deferred:
             run_each(*deferred.popleft())
     finally:
-        local.deferred = None
+        state["deferred"] = None
 
 
 def drain_deferred() -> None:

@@ -121,7 +121,6 @@ class _Worker:
         "forks",
         "held",
         "pool",
-        "searching",
         "slot",
         "task",
         "thread",
@@ -137,10 +136,6 @@ class _Worker:
         # Why the pool counts it out, if it does: WAITING in aiopar's wait,
         # or blocked OUTSIDE aiopar (see _stall). Changed under the pool's lock.
         self.held: str | None = None
-        # Counted in the pool's _waking: on its way to the queues, woken from
-        # idle or having woken event loops whose next forks it may take,
-        # until it takes a task or goes idle. Changed under the pool's lock.
-        self.searching = False
         self.context = Context()
         # Held while it runs; it sleeps on it while idle, released by the
         # thread that wakes it. One lock per worker wakes exactly one.
@@ -248,8 +243,13 @@ class ThreadBackend(Backend):
         # has only just gone to sleep made a sequential `await fork(f)` twice
         # as slow on a 2-core VM.
         self._idle: collections.deque[_Worker] = collections.deque()
-        # Workers on their way to the queues (_Worker.searching).
-        self._waking = 0
+        # Workers on their way to the queues: woken from idle (by the thread
+        # that wakes them, under the lock), or having woken event loops whose
+        # next forks they may take, until they take a task or go idle. A
+        # fork meanwhile need not wake another worker for its task. A set,
+        # whose add and discard are atomic: a worker counts itself in and
+        # out without taking the lock.
+        self._waking: set[_Worker] = set()
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)  # notified for drain()
         self._draining = 0  # threads in drain()
@@ -307,7 +307,7 @@ class ThreadBackend(Backend):
                 # _wake_worker's own test, first: a busy pool's forks skip the call.
                 (self._idle or len(self._workers) - self._blocked < limit)
                 # No more wake-ups than queued tasks.
-                and (not self._waking or self._backlog() >= self._waking)
+                and (not self._waking or self._backlog() >= len(self._waking))
                 and self._wake_worker(forked_here=self._forked_outside(worker is None))
             )
             task.reserved = woken or None
@@ -344,7 +344,7 @@ class ThreadBackend(Backend):
         """Wake a worker for queued tasks that no woken worker is on its way
         to yet, if the pool has one to wake or room for one. Called with
         self._lock held."""
-        if self._backlog() > self._waking:
+        if self._backlog() > len(self._waking):
             self._wake_worker(forked_here)  # which wakes none if it can't
 
     def _wake_worker(self, forked_here: bool = False) -> _Worker | None:
@@ -385,7 +385,7 @@ class ThreadBackend(Backend):
         if watcher is not None and watcher.parked:
             watcher.wake()
         if asleep:
-            self._on_its_way(worker)
+            self._waking.add(worker)
             worker.wake_up.release()
             return worker
         try:
@@ -440,8 +440,7 @@ class ThreadBackend(Backend):
             state["finishing"] = None
             with self._lock:
                 worker.slot.end_spell()
-                if worker.searching:
-                    self._arrived(worker)
+                self._waking.discard(worker)
                 if worker in self._workers:
                     # It stops on an error of aiopar's own (a task's never
                     # reaches here), which threading's excepthook reports:
@@ -492,7 +491,7 @@ class ThreadBackend(Backend):
         """Run tasks until the worker retires or the pool stops. ``state``
         and ``wakes``: the thread's, from _bridge.hold_wakes, whose wake-ups
         of event loops go as each task's run ends."""
-        slot, forks, shared = worker.slot, worker.forks, self._tasks
+        slot, forks, shared, waking = worker.slot, worker.forks, self._tasks, self._waking
         while True:
             # Over the limit (it went down, or a blocked worker came back):
             # stop before taking another task.
@@ -521,8 +520,7 @@ class ThreadBackend(Backend):
                 if _budget_slots.hook is None:
                     probe()
                 with self._lock:
-                    if worker.searching:
-                        self._arrived(worker)
+                    waking.discard(worker)  # it has arrived
                     if self._tasks or any(self._queues):  # self._backlog(), inline
                         continue
                     if self._closed:
@@ -553,9 +551,8 @@ class ThreadBackend(Backend):
                     if self._retire_idle(worker):
                         return
                 continue
-            if worker.searching:
-                with self._lock:
-                    self._arrived(worker)
+            if waking:
+                waking.discard(worker)  # it has arrived, if it was on its way
             state["finishing"] = id(task.future)
             worker.task = task
             if blocking_keys and presumed(task.fn):
@@ -579,21 +576,8 @@ class ThreadBackend(Backend):
                 # _bridge.hold_wakes), this worker counted as on its way to
                 # the queues as a woken worker is: a fork that a loop makes
                 # meanwhile wakes no other worker, and this one takes it.
-                with self._lock:
-                    self._on_its_way(worker)
+                waking.add(worker)
                 send_wakes(wakes)
-
-    def _on_its_way(self, worker: _Worker) -> None:
-        """``worker`` will look at the queues before it sleeps: a fork meanwhile
-        need not wake another for its task. Called with self._lock held."""
-        worker.searching = True
-        self._waking += 1
-
-    def _arrived(self, worker: _Worker) -> None:
-        """``worker``, on its way to the queues, has taken a task or goes
-        idle (or stops). Called with self._lock held."""
-        worker.searching = False
-        self._waking -= 1
 
     def _retire(self, worker: _Worker) -> bool:
         """Stop this worker if the pool has more than its limit; True if so.
@@ -611,8 +595,7 @@ class ThreadBackend(Backend):
             if not self._backlog() or (tasks and blocking_keys and presumed(tasks[0].fn)):
                 return False
             self._remove(worker)
-            if worker.searching:
-                self._arrived(worker)
+            self._waking.discard(worker)
             if self._backlog():
                 self._wake_worker()  # the wake-up that came here was for a task
             worker.slot.end_spell()
@@ -716,7 +699,7 @@ class ThreadBackend(Backend):
             self._closed = True  # workers run what is queued, then stop
             while self._idle:
                 worker = self._idle.popleft()
-                self._on_its_way(worker)
+                self._waking.add(worker)
                 worker.wake_up.release()  # to stop: it counts for nothing
             threads = [worker.thread for worker in self._workers]
             watcher = self._watcher
