@@ -94,10 +94,21 @@ async def test_a_fork_made_as_the_worker_heads_for_the_queues_wakes_no_other(mon
         assert forked_again.wait(30)
 
     monkeypatch.setattr(thread, "send_wakes", send_then_pause)
+    gate = threading.Event()
     with aiopar.get_backend("thread", max_workers=2) as pool:
-        await pool.fork(noop)
+        # The task ends only once the await waits for it, so that the
+        # worker has a wake-up to send (a task done before its await starts
+        # leaves it none: it goes idle, and the next fork starts another).
+        first = pool.fork(gate.wait, 30)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_set, gate)  # runs once this task waits
+            assert await first
         second = pool.fork(threading.get_ident)
         workers = len(pool._workers)
         forked_again.set()
         assert await second == next(iter(pool._workers)).thread.ident
     assert workers == 1
+
+
+async def _set(event: threading.Event) -> None:
+    event.set()

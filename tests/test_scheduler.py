@@ -58,6 +58,32 @@ def test_forks_from_outside_the_pool_run_oldest_first():
     assert ran == ["a", "b", "c"]
 
 
+def test_a_pool_starts_all_its_workers_then_wakes_the_one_idle_longest():
+    # A fork wakes no idle worker while the pool is below its size: a
+    # sequence of forks and waits takes the workers in turn, never the one
+    # that has only just gone to sleep.
+    pool = ThreadBackend(max_workers=2)
+
+    def idle(count: int) -> Callable[[], bool]:
+        return lambda: len(pool._idle) == count
+
+    try:
+        first = pool.fork(threading.get_ident)
+        eventually(idle(1))  # it ran, and sleeps
+        second = pool.fork(threading.get_ident)
+        eventually(idle(2))
+        third = pool.fork(threading.get_ident)
+        eventually(idle(2))
+        fourth = pool.fork(threading.get_ident)
+        eventually(fourth.done)  # a worker ran it, not a wait here
+        idents = [fut.value() for fut in (first, second, third, fourth)]
+        assert len(pool._workers) == 2
+        assert idents[0] != idents[1], "a fork woke the idle worker before the pool was full"
+        assert idents[2:] == idents[:2], "the workers did not take turns, idle longest first"
+    finally:
+        pool.shutdown()
+
+
 def test_a_free_worker_steals_a_blocked_tasks_fork_before_the_shared_queue():
     ran: list[str] = []
     hold_first, fork_now, forked, hold_forker = (threading.Event() for _ in range(4))

@@ -9,7 +9,9 @@ begins, so the tasks a blocked task waits for are never stuck behind
 unrelated ones. A worker that waits first runs the queued tasks it forked
 itself, newest first (see :meth:`_Worker.run_own_forks`).
 
-Workers start lazily, up to ``max_workers``. A worker that blocks in
+Workers start lazily, as forks need them, up to ``max_workers``; a fork
+wakes an idle worker only once they have all started, the one idle longest
+first. A worker that blocks in
 ``wait`` is counted out of the pool while it waits, and so is one that
 blocks anywhere else (a sleep, a socket, a lock), which the pool's stall
 watcher finds by its thread's CPU clock (:mod:`aiopar.backends._stall`); a
@@ -241,7 +243,10 @@ class ThreadBackend(Backend):
         # one worker (a shared queue's lock wakes a second one that finds
         # nothing to do). The one idle longest goes first: waking the one that
         # has only just gone to sleep made a sequential `await fork(f)` twice
-        # as slow on a 2-core VM.
+        # as slow on a 2-core VM (there, two threads handing a lock back and
+        # forth take 1.4 times as long as three where two of them take turns),
+        # which is also why the pool starts all its workers before it wakes
+        # an idle one (_wake_worker).
         self._idle: collections.deque[_Worker] = collections.deque()
         # Workers on their way to the queues: woken from idle (by the thread
         # that wakes them, under the lock), or having woken event loops whose
@@ -347,16 +352,24 @@ class ThreadBackend(Backend):
         if self._backlog() > len(self._waking):
             self._wake_worker(forked_here)  # which wakes none if it can't
 
-    def _wake_worker(self, forked_here: bool = False) -> _Worker | None:
-        """Wake an idle worker, or start one if the pool is below its limit,
-        for queued work, and return it; None if neither can be done.
-        ``forked_here``: the calling thread, outside the pools, forked that
-        work. Called with self._lock held."""
-        asleep = bool(self._idle)
+    def _wake_worker(self, forked_here: bool = False, start: bool = True) -> _Worker | None:
+        """Start or wake a worker for queued work, and return it; None if
+        neither can be done. Until the pool has ``max_workers`` workers it
+        starts one, even if another is idle (as Java's ThreadPoolExecutor
+        starts its core threads); then it wakes the one idle longest, or
+        starts one to stand in for a blocked worker if none is idle. So a
+        sequence of awaits takes the workers in turn, and none is woken just
+        as it fell asleep (see ``_idle``). ``forked_here``: the calling
+        thread, outside the pools, forked that work; ``start``: False to
+        wake an idle worker only. Called with self._lock held."""
+        workers = len(self._workers)
+        asleep = bool(self._idle) and (workers >= self.max_workers or not start)
         if asleep:
             worker = self._idle.popleft()
-        elif len(self._workers) - self._blocked >= self.max_workers or len(self._workers) >= (
-            self.max_workers + COMPENSATION_LIMIT
+        elif (
+            not start
+            or workers - self._blocked >= self.max_workers
+            or workers >= self.max_workers + COMPENSATION_LIMIT
         ):
             return None
         else:
@@ -395,7 +408,8 @@ class ThreadBackend(Backend):
             worker.slot.end_spell()
             if not self._workers:
                 raise
-            return None  # the workers there are will take the task
+            # The workers there are will take the task: an idle one now.
+            return self._wake_worker(forked_here, start=False)
         if watcher is None and _stall.SUPPORTED:
             self._watcher = _stall.StallWatcher(
                 self._thread_names, self._lock, self._workers, self._stall, self._unstall
