@@ -259,6 +259,26 @@ def test_a_thread_that_cannot_start_leaves_the_pool_counting_right(pool, monkeyp
     assert pool._blocked == 0
 
 
+def test_a_fork_whose_new_worker_cannot_start_wakes_an_idle_one(monkeypatch):
+    # Below its size a pool starts a worker rather than wake an idle one:
+    # if the system refuses the thread, the idle worker takes the task.
+    backend = ThreadBackend(max_workers=2)
+    try:
+        first = backend.fork(threading.get_ident)
+        eventually(lambda: len(backend._idle) == 1)
+
+        def no_threads(self):
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", no_threads)
+        second = backend.fork(threading.get_ident)
+        eventually(second.done)  # a worker ran it: wait() here would run it itself
+        assert second.value() == first.value()
+    finally:
+        monkeypatch.undo()
+        backend.shutdown()
+
+
 def test_the_first_worker_that_cannot_start_fails_the_fork_saying_why(monkeypatch):
     backend = ThreadBackend(max_workers=2)
 
