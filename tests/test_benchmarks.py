@@ -56,6 +56,13 @@ def test_a_target_is_met_missed_or_beyond_reach_of_its_floor() -> None:
     assert "missed: beyond reach" in _verdicts([(*EXECUTOR, 5.0, 10.0), (*FLOOR, 5.0, 4.0)])
 
 
+def test_a_target_is_met_only_in_both_wall_and_cpu_time() -> None:
+    # 5x in wall time, 2x in CPU time, against 3x
+    out = _verdicts([(*EXECUTOR, 2.0, 10.0, 5.0, 10.0), (*FLOOR, 2.0, 1.0, 2.0, 1.0)])
+    assert "missed in CPU time" in out
+    assert "met" in _verdicts([(*EXECUTOR, 2.0, 10.0, 2.0, 10.0), (*FLOOR, 2.0, 1.0, 2.0, 1.0)])
+
+
 def test_a_target_whose_rows_did_not_run_is_left_out() -> None:
     out = _verdicts([(*EXECUTOR, 2.0, 10.0)])  # no floor row
     assert "executor" not in out
