@@ -17,6 +17,7 @@ import pytest
 from helpers import eventually, run_python
 
 import aiopar
+from aiopar import _budget_slots
 from aiopar.backends.thread import COMPENSATION_LIMIT, ThreadBackend
 
 pytestmark = pytest.mark.timeout(60)
@@ -274,6 +275,30 @@ def test_a_fork_whose_new_worker_cannot_start_wakes_an_idle_one(monkeypatch):
         second = backend.fork(threading.get_ident)
         eventually(second.done)  # a worker ran it: wait() here would run it itself
         assert second.value() == first.value()
+    finally:
+        monkeypatch.undo()
+        backend.shutdown()
+
+
+def test_a_task_whose_start_the_budget_fails_to_count_fails_and_the_pool_goes_on(monkeypatch):
+    # An error of aiopar's own as a worker starts a task: the task's future
+    # fails with it (it stayed running for ever), and the worker goes on.
+    backend = ThreadBackend(max_workers=1)
+    first_task = _budget_slots.Slot.first_task
+
+    def broken(slot):
+        raise RuntimeError("the budget broke")
+
+    try:
+        monkeypatch.setattr(_budget_slots.Slot, "first_task", broken)
+        failed = backend.fork(int, "1")
+        eventually(failed.done)  # a worker ran it: wait() here would run it itself
+        with pytest.raises(RuntimeError, match="the budget broke"):
+            failed.value()
+        monkeypatch.setattr(_budget_slots.Slot, "first_task", first_task)
+        fine = backend.fork(int, "2")
+        eventually(fine.done)
+        assert fine.value() == 2
     finally:
         monkeypatch.undo()
         backend.shutdown()

@@ -103,16 +103,20 @@ class Task:
         if future is None or not claim(future):
             return
         self.future = None
-        ended = None if starting is None else starting()
-        record = self.record
-        if record is not None:
-            record.on_start()
-        context = self.context or context  # an empty context is false
-        if context is None:
-            context = Context()
-        args, kwargs = self.args, self.kwargs
+        args, kwargs, record = self.args, self.kwargs, self.record
+        ended = None
         exception: BaseException | None
         try:
+            # Inside the try: should the accounting or the profiler raise
+            # (an error of aiopar's own), the future fails with it rather
+            # than stay running for ever.
+            if starting is not None:
+                ended = starting()
+            if record is not None:
+                record.on_start()
+            context = self.context or context  # an empty context is false
+            if context is None:
+                context = Context()
             # No "*" without arguments, no "**" without keywords: each
             # builds a tuple or a dict for the call.
             if kwargs:
