@@ -95,7 +95,7 @@ async def test_a_fork_made_as_the_worker_heads_for_the_queues_wakes_no_other(mon
 
     monkeypatch.setattr(thread, "send_wakes", send_then_pause)
     gate = threading.Event()
-    with aiopar.get_backend("thread", max_workers=2) as pool:
+    with thread.ThreadBackend(max_workers=2) as pool:  # a pool of its own: no worker yet
         # The task ends only once the await waits for it, so that the
         # worker has a wake-up to send (a task done before its await starts
         # leaves it none: it goes idle, and the next fork starts another).

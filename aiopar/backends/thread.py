@@ -362,15 +362,11 @@ class ThreadBackend(Backend):
         as it fell asleep (see ``_idle``). ``forked_here``: the calling
         thread, outside the pools, forked that work; ``start``: False to
         wake an idle worker only. Called with self._lock held."""
-        workers = len(self._workers)
-        asleep = bool(self._idle) and (workers >= self.max_workers or not start)
+        workers, limit = len(self._workers), self._limit  # max_workers, without its call
+        asleep = bool(self._idle) and (workers >= limit or not start)
         if asleep:
             worker = self._idle.popleft()
-        elif (
-            not start
-            or workers - self._blocked >= self.max_workers
-            or workers >= self.max_workers + COMPENSATION_LIMIT
-        ):
+        elif not start or workers - self._blocked >= limit or workers >= limit + COMPENSATION_LIMIT:
             return None
         else:
             worker = _Worker(self)
@@ -520,14 +516,13 @@ class ThreadBackend(Backend):
             try:
                 if forks:
                     task = forks.pop()
-                else:
+                elif any(self._queues):  # one look in C, not a loop, while all are empty
                     for queue in self._queues:
                         if queue:
                             task = queue.popleft()
                             break
-                    else:
-                        if shared:
-                            task = shared.popleft()
+                elif shared:
+                    task = shared.popleft()
             except IndexError:
                 continue  # look again
             if task is None:
@@ -542,12 +537,12 @@ class ThreadBackend(Backend):
                         return
                     slot.end_spell()
                     self._idle.append(worker)
-                    quiet = len(self._idle) == len(self._workers)
                     sharers = None
-                    if quiet and self._sharers:
-                        sharers, self._sharers = list(self._sharers.values()), {}
-                    if quiet and self._draining:
-                        self._quiet.notify_all()
+                    if len(self._idle) == len(self._workers):  # the pool is quiet
+                        if self._sharers:
+                            sharers, self._sharers = list(self._sharers.values()), {}
+                        if self._draining:
+                            self._quiet.notify_all()
                 if sharers:
                     _budget_slots.hook.pool_quiet(sharers)  # type: ignore[union-attr] # they share
                 # A fork that found every worker busy queued its task without
