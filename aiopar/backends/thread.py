@@ -313,7 +313,7 @@ class ThreadBackend(Backend):
                 (self._idle or len(self._workers) - self._blocked < limit)
                 # No more wake-ups than queued tasks.
                 and (not self._waking or self._backlog() >= len(self._waking))
-                and self._wake_worker(forked_here=self._forked_outside(worker is None))
+                and self._wake_worker(by_outsider=worker is None)
             )
             task.reserved = woken or None
             queue.append(task)
@@ -331,37 +331,30 @@ class ThreadBackend(Backend):
                 except ValueError:
                     return  # a worker took it already: it runs
                 self._refuse_fork()
-            self._wake_for_queued(self._forked_outside(by_outsider))
+            self._wake_for_queued(by_outsider)
 
     def _refuse_fork(self) -> None:
         if self._broken is not None:
             raise self._broken_error()
         raise RuntimeError(f"cannot fork on {self!r}: it has been shut down")
 
-    @staticmethod
-    def _forked_outside(by_outsider: bool) -> bool:
-        """Whether the calling thread, which is no worker of this pool if
-        ``by_outsider``, is outside every pool: only such a thread counts
-        beside its forks (rule 3 of ``aiopar._budget``)."""
-        return by_outsider and _current.__dict__.get("worker") is None
-
-    def _wake_for_queued(self, forked_here: bool = False) -> None:
+    def _wake_for_queued(self, by_outsider: bool = False) -> None:
         """Wake a worker for queued tasks that no woken worker is on its way
         to yet, if the pool has one to wake or room for one. Called with
         self._lock held."""
         if self._backlog() > len(self._waking):
-            self._wake_worker(forked_here)  # which wakes none if it can't
+            self._wake_worker(by_outsider)  # which wakes none if it can't
 
-    def _wake_worker(self, forked_here: bool = False, start: bool = True) -> _Worker | None:
+    def _wake_worker(self, by_outsider: bool = False, start: bool = True) -> _Worker | None:
         """Start or wake a worker for queued work, and return it; None if
         neither can be done. Until the pool has ``max_workers`` workers it
         starts one, even if another is idle (as Java's ThreadPoolExecutor
         starts its core threads); then it wakes the one idle longest, or
         starts one to stand in for a blocked worker if none is idle. So a
         sequence of awaits takes the workers in turn, and none is woken just
-        as it fell asleep (see ``_idle``). ``forked_here``: the calling
-        thread, outside the pools, forked that work; ``start``: False to
-        wake an idle worker only. Called with self._lock held."""
+        as it fell asleep (see ``_idle``). ``by_outsider``: the calling
+        thread, no worker of this pool, forked that work; ``start``: False
+        to wake an idle worker only. Called with self._lock held."""
         workers, limit = len(self._workers), self._limit  # max_workers, without its call
         asleep = bool(self._idle) and (workers >= limit or not start)
         if asleep:
@@ -376,12 +369,13 @@ class ThreadBackend(Backend):
         if occupancy is not None:
             # Its spell of work begins, before it can run; the thread that
             # forked the work may count beside it (rule 3 of aiopar._budget)
-            # unless an event loop runs there (it awaits its forks) or this
-            # pool runs tasks on their own.
+            # if it is outside every pool, unless an event loop runs there
+            # (it awaits its forks) or this pool runs tasks on their own.
             sharer = occupancy.woke(
                 worker.slot,
-                forked_here
+                by_outsider
                 and self.forker_counts
+                and _current.__dict__.get("worker") is None
                 # No event loop runs here: _bridge.running_async_library() is
                 # None, inline: once per fork that wakes a worker, whose calls
                 # tests/test_overhead.py counts.
@@ -405,7 +399,7 @@ class ThreadBackend(Backend):
             if not self._workers:
                 raise
             # The workers there are will take the task: an idle one now.
-            return self._wake_worker(forked_here, start=False)
+            return self._wake_worker(by_outsider, start=False)
         if watcher is None and _stall.SUPPORTED:
             self._watcher = _stall.StallWatcher(
                 self._thread_names, self._lock, self._workers, self._stall, self._unstall
