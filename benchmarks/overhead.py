@@ -722,9 +722,9 @@ TARGETS: list[tuple[tuple[str, str], float, list[tuple[str, str]]]] = [
 
 
 def targets_table(rows: list[Row]) -> Table:
-    """Each target's ratio in this run (of wall times; of CPU times beside
-    it, which must meet the target too), and the most any pool could reach
-    (in wall time)."""
+    """Each target's ratio in this run, of wall times and of CPU times
+    beside it (a target holds for both), and the most any pool could reach
+    in each."""
     measured = {(row[0], row[1]): row[2:] for row in rows}
     table = Table(title="targets (anchor / aiopar; reachable: anchor / the floors' sum)")
     for column in ("aiopar", "anchor", "ratio", "cpu", "target", "reachable", "verdict"):
@@ -739,20 +739,28 @@ def targets_table(rows: list[Row]) -> Table:
         ratio = anchor / ours
         cpu_ratio = cpu[1] / cpu[0] if cpu else None
         reachable = anchor / sum(measured[floor][1] for floor in floors) if floors else None
-        if ratio >= least and (cpu_ratio is None or cpu_ratio >= least):
-            verdict = "met"
-        elif ratio >= least:
-            verdict = "missed in CPU time"  # a target holds for both times
-        elif reachable is not None and reachable < least:
-            verdict = "missed: beyond reach"
+        reachable_cpu = (
+            cpu[1] / sum(measured[floor][3] for floor in floors)
+            if floors and cpu and all(len(measured[floor]) == 4 for floor in floors)
+            else None
+        )
+        if ratio < least:
+            verdict, reach = "missed", reachable
+        elif cpu_ratio is not None and cpu_ratio < least:
+            verdict, reach = "missed in CPU time", reachable_cpu
         else:
-            verdict = "missed"
+            verdict, reach = "met", None
+        if reach is not None and reach < least:
+            verdict += ": beyond reach"
+        shown = "" if reachable is None else f"{reachable:.2f}x"
+        if reachable_cpu is not None:
+            shown += f" / {reachable_cpu:.2f}x"
         table.add_row(
             *key,
             f"{ratio:.2f}x",
             "" if cpu_ratio is None else f"{cpu_ratio:.2f}x",
             f">= {least:.2f}x",
-            "" if reachable is None else f"{reachable:.2f}x",
+            shown,
             verdict,
         )
     return table

@@ -61,6 +61,9 @@ def test_a_target_is_met_only_in_both_wall_and_cpu_time() -> None:
     out = _verdicts([(*EXECUTOR, 2.0, 10.0, 5.0, 10.0), (*FLOOR, 2.0, 1.0, 2.0, 1.0)])
     assert "missed in CPU time" in out
     assert "met" in _verdicts([(*EXECUTOR, 2.0, 10.0, 2.0, 10.0), (*FLOOR, 2.0, 1.0, 2.0, 1.0)])
+    # 2x in CPU time, where even the floor reaches only 2.5x
+    out = _verdicts([(*EXECUTOR, 2.0, 10.0, 5.0, 10.0), (*FLOOR, 2.0, 1.0, 2.0, 4.0)])
+    assert "missed in CPU time: beyond reach" in out and "2.50x" in out
 
 
 def test_a_target_whose_rows_did_not_run_is_left_out() -> None:
