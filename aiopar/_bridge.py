@@ -121,8 +121,8 @@ def hold_wakes() -> tuple[dict[str, Any], list[Callable[[], Any]]]:
     it at once and fork again. Sent from inside the settling, it found the
     worker still busy with the rest of its task, and a second worker was
     woken; held to the end of the run, the worker first counts itself as
-    on its way to the queues (as a worker just woken is), the loop's next
-    fork wakes nobody, and one worker serves a sequence of awaits.
+    on its way to the queues (as a worker just woken is), and a fork the
+    loop makes before the worker sleeps wakes nobody: the worker takes it.
     """
     state = _waiter.local.__dict__
     wakes: list[Callable[[], Any]] = state.setdefault("wakes", [])

@@ -284,7 +284,6 @@ def test_a_task_whose_start_the_budget_fails_to_count_fails_and_the_pool_goes_on
     # An error of aiopar's own as a worker starts a task: the task's future
     # fails with it (it stayed running for ever), and the worker goes on.
     backend = ThreadBackend(max_workers=1)
-    first_task = _budget_slots.Slot.first_task
 
     def broken(slot):
         raise RuntimeError("the budget broke")
@@ -295,7 +294,7 @@ def test_a_task_whose_start_the_budget_fails_to_count_fails_and_the_pool_goes_on
         eventually(failed.done)  # a worker ran it: wait() here would run it itself
         with pytest.raises(RuntimeError, match="the budget broke"):
             failed.value()
-        monkeypatch.setattr(_budget_slots.Slot, "first_task", first_task)
+        monkeypatch.undo()
         fine = backend.fork(int, "2")
         eventually(fine.done)
         assert fine.value() == 2

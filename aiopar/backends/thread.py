@@ -118,16 +118,7 @@ class _Worker:
     """One worker thread: its deque of forks, the lock it sleeps on while
     idle, its standing in the budget, and what it runs."""
 
-    __slots__ = (
-        "context",
-        "forks",
-        "held",
-        "pool",
-        "slot",
-        "task",
-        "thread",
-        "wake_up",
-    )
+    __slots__ = ("context", "forks", "held", "pool", "slot", "task", "thread", "wake_up")
 
     def __init__(self, pool: ThreadBackend) -> None:
         self.pool = pool
