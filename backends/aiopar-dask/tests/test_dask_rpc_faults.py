@@ -238,7 +238,8 @@ def test_joining_an_address_without_a_scheduler_fails_in_time_saying_what_is_the
 
 def test_peers_that_know_each_other_outlive_their_scheduler():
     # The scheduler and peer b are processes of their own; this script is
-    # peer a. The scheduler is killed while a's call to b is in flight.
+    # peer a. The scheduler is killed, once both have joined, while a's call to
+    # b is in flight.
     script = """
         import os, signal, subprocess, sys, time
         import numpy as np
@@ -258,6 +259,7 @@ def test_peers_that_know_each_other_outlive_their_scheduler():
         from aiopar import rpc
         options = rpc.RpcBackendOptions(init_method=sys.argv[1])
         rpc.init_rpc("b", world_size=2, rpc_backend_options=options)
+        print("joined", flush=True)
         sys.stdin.read()  # until a closes it
         rpc.shutdown()
         print("b left", flush=True)
@@ -270,25 +272,36 @@ def test_peers_that_know_each_other_outlive_their_scheduler():
             [sys.executable, "-c", PEER, address],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        options = rpc.RpcBackendOptions(init_method=address, rpc_timeout=30)
-        rpc.init_rpc("a", world_size=2, rpc_backend_options=options)
-        agent = rpc.agent.current_agent()
-        assert rpc.rpc_sync("b", np.add, args=(1, 1)) == 2
-        in_flight = rpc.rpc_async("b", after_timer, args=(1.0, "in-flight"))
-        scheduler.kill()
-        scheduler.wait()
-        serving = agent._worker.status.name == "paused"  # (a peer runs no dask task)
-        while serving and getattr(agent, "_scheduler_gone", None) is None:  # b's link is up
-            time.sleep(0.05)
-            serving = agent._worker.status.name == "paused"
-        print(in_flight.wait())
-        print(rpc.rpc_sync("b", np.add, args=(2, 3)))
-        print(rpc.remote("b", np.add, args=(3, 3)).to_here())
+        def as_a():
+            options = rpc.RpcBackendOptions(init_method=address, rpc_timeout=30)
+            rpc.init_rpc("a", world_size=2, rpc_backend_options=options)
+            agent = rpc.agent.current_agent()
+            assert rpc.rpc_sync("b", np.add, args=(1, 1)) == 2
+            in_flight = rpc.rpc_async("b", after_timer, args=(1.0, "in-flight"))
+            # b knows a once its init_rpc has returned (until then it may
+            # still be looking at the scheduler for the ranks to join).
+            assert b.stdout.readline().strip() == "joined"
+            scheduler.kill()
+            scheduler.wait()
+            serving = agent._worker.status.name == "paused"  # (a peer runs no dask task)
+            while serving and getattr(agent, "_scheduler_gone", None) is None:  # b's link is up
+                time.sleep(0.05)
+                serving = agent._worker.status.name == "paused"
+            print(in_flight.wait())
+            print(rpc.rpc_sync("b", np.add, args=(2, 3)))
+            print(rpc.remote("b", np.add, args=(3, 3)).to_here())
+            try:
+                rpc.rpc_sync("c", np.add, args=(1, 1))
+            except ValueError as exc:
+                print("lookup", "scheduler" in str(exc) and address in str(exc))
+            rpc.shutdown()
+
         try:
-            rpc.rpc_sync("c", np.add, args=(1, 1))
-        except ValueError as exc:
-            print("lookup", "scheduler" in str(exc) and address in str(exc))
-        rpc.shutdown()
+            as_a()
+        except BaseException:  # what b said goes into this test's report
+            b.kill()
+            print("peer b wrote:", b.communicate()[1], file=sys.stderr)
+            raise
         print("left", sorted(t.name for t in threading.enumerate() if t.name.startswith("aiopar")))
         out, err = b.communicate()  # closes b's stdin: b leaves
         if b.returncode:  # what b said goes into this test's report
