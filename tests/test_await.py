@@ -332,3 +332,110 @@ def test_a_loop_that_awaited_forks_leaves_no_fd_and_is_not_kept_alive(loop_facto
     gc.collect()
     assert all(ref() is None for ref in refs)
     assert _open_fds() <= before
+
+
+def test_an_await_resumes_its_task_in_the_loop_pass_that_drains_its_wake_up():
+    # An asyncio future set as the bridge drains would resume the task on
+    # the loop's next pass: two passes, and two selects, per await.
+    loop = asyncio.new_event_loop()
+    select = loop._selector.select  # type: ignore[attr-defined]
+    passes = 0
+
+    def counting_select(timeout=None):
+        nonlocal passes
+        passes += 1
+        return select(timeout)
+
+    loop._selector.select = counting_select  # type: ignore[attr-defined]
+
+    async def awaits(n: int) -> int:
+        nonlocal passes
+        await aiopar.fork(square, 2)  # the loop's bridge is made
+        passes = 0
+        for _ in range(n):
+            await aiopar.fork(square, 2)
+        return passes
+
+    try:
+        assert loop.run_until_complete(awaits(50)) <= 60
+    finally:
+        loop.close()
+
+
+async def test_a_task_resumes_in_its_own_context_after_an_await():
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var")
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    async def awaits(name: str) -> None:
+        var.set(name)
+        for _ in range(20):
+            await aiopar.fork(square, 3)
+            seen[name].append(var.get())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(awaits, "a")
+        tg.start_soon(awaits, "b")
+    assert seen == {"a": ["a"] * 20, "b": ["b"] * 20}
+
+
+@pytest.mark.parametrize("loop_factory", ["asyncio", "uvloop"])
+def test_the_message_of_a_cancel_reaches_the_coroutine_that_awaits(loop_factory):
+    new_loop = (
+        pytest.importorskip("uvloop").new_event_loop
+        if loop_factory == "uvloop"
+        else asyncio.new_event_loop
+    )
+    gate = threading.Event()
+
+    async def main() -> None:
+        fut = aiopar.fork(gate.wait, 30)
+        caught: list[BaseException] = []
+
+        async def awaits() -> None:
+            try:
+                await fut
+            except asyncio.CancelledError as exc:
+                caught.append(exc)
+                raise
+
+        task = asyncio.ensure_future(awaits())
+        await asyncio.sleep(0)  # it awaits
+        assert "aiopar await pending" in repr(task)
+        task.cancel("why")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [exc.args for exc in caught] == [("why",)]
+        gate.set()
+        await fut
+
+    loop = new_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        gate.set()
+        loop.close()
+
+
+def test_what_a_batch_has_left_when_a_resumed_task_raises_runs_on_the_next_drain():
+    # A task's step re-raises KeyboardInterrupt and SystemExit, out of the
+    # bridge's drain that resumed it: the other awaits of its batch are not lost.
+    from aiopar._bridge import Bridge
+
+    bridge = Bridge()
+    wakes: list[int] = []
+    bridge.wake = lambda: wakes.append(1)
+    ran: list[str] = []
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    bridge.post(interrupted)
+    bridge.post(lambda: ran.append("second"))
+    assert wakes == [1]
+    with pytest.raises(KeyboardInterrupt):
+        bridge.drain()
+    assert ran == [] and wakes == [1, 1]  # woken again for the rest
+    bridge.drain()
+    assert ran == ["second"]
