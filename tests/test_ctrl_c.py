@@ -24,8 +24,12 @@ from helpers import run_python, start_python
 pytestmark = pytest.mark.timeout(60)
 
 # The main thread blocks SIGINT; a thread started before it did takes it.
+# A child that hangs writes every thread's stack to stderr and exits, well
+# within the test's timeout: the failure then says where it hung.
 MISSED_BY_THE_MAIN_THREAD = """
-    import signal, sys, threading, time
+    import faulthandler, signal, sys, threading, time
+
+    faulthandler.dump_traceback_later(40, exit=True)
 
     threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
