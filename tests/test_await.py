@@ -387,10 +387,15 @@ def test_the_message_of_a_cancel_reaches_the_coroutine_that_awaits(loop_factory)
         if loop_factory == "uvloop"
         else asyncio.new_event_loop
     )
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
+
+    def runs() -> None:
+        started.set()
+        gate.wait(30)
 
     async def main() -> None:
-        fut = aiopar.fork(gate.wait, 30)
+        fut = aiopar.fork(runs)
+        await asyncio.to_thread(started.wait, 30)  # a cancelled await cancels a fork not started
         caught: list[BaseException] = []
 
         async def awaits() -> None:
