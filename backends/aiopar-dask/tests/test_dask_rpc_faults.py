@@ -277,10 +277,10 @@ def test_peers_that_know_each_other_outlive_their_scheduler():
             rpc.init_rpc("a", world_size=2, rpc_backend_options=options)
             agent = rpc.agent.current_agent()
             assert rpc.rpc_sync("b", np.add, args=(1, 1)) == 2
-            in_flight = rpc.rpc_async("b", after_timer, args=(1.0, "in-flight"))
             # b knows a once its init_rpc has returned (until then it may
             # still be looking at the scheduler for the ranks to join).
             assert b.stdout.readline().strip() == "joined"
+            in_flight = rpc.rpc_async("b", after_timer, args=(1.0, "in-flight"))
             scheduler.kill()
             scheduler.wait()
             serving = agent._worker.status.name == "paused"  # (a peer runs no dask task)
